@@ -1,0 +1,291 @@
+"""REST routes over the same operations as the AWS JSON entry.
+
+Each route names one AWS operation; its path parameters, query parameters and JSON body are merged
+into that operation's input (AWS member names), which then goes through the same validation,
+domain call and output shaping as ``POST /``. The OpenAPI schema of every body and response is
+generated from botocore's service model, the same source the validation uses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+
+from api import shapes
+from api.deps import ServicesDep, as_aws_error
+from api.operations import dispatch
+from domain.errors import (
+    AwsError,
+    ConflictException,
+    ResourceInUse,
+    ResourceNotFound,
+    SerializationException,
+)
+
+router = APIRouter(tags=["clusters"])
+
+# REST keeps AWS's error codes and bodies; statuses follow HTTP where one fits better.
+_REST_STATUS: dict[type[AwsError], int] = {
+    ResourceNotFound: 404,
+    ResourceInUse: 409,
+    ConflictException: 409,
+}
+
+
+def status_for(error: AwsError) -> int:
+    return _REST_STATUS.get(type(error), error.status)
+
+
+EXAMPLE_CREATE = {
+    "ClusterName": "demo",
+    "InstanceGroups": [
+        {
+            "InstanceGroupName": "workers",
+            "InstanceType": "ml.p5.48xlarge",
+            "InstanceCount": 4,
+            "ExecutionRole": "arn:aws:iam::123456789012:role/HyperPodExecution",
+            "LifeCycleConfig": {"SourceS3Uri": "s3://my-bucket/lifecycle/", "OnCreate": "on_create.sh"},
+        }
+    ],
+    "Orchestrator": {"Eks": {"ClusterArn": "arn:aws:eks:us-east-1:123456789012:cluster/my-eks"}},
+    "TieredStorageConfig": {"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20},
+    "NodeRecovery": "Automatic",
+}
+EXAMPLE_UPDATE = {
+    "InstanceGroups": [
+        {
+            "InstanceGroupName": "workers",
+            "InstanceType": "ml.p5.48xlarge",
+            "InstanceCount": 8,
+            "ExecutionRole": "arn:aws:iam::123456789012:role/HyperPodExecution",
+        }
+    ],
+    "TieredStorageConfig": {"Mode": "Enable", "InstanceMemoryAllocationPercentage": 40},
+}
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    operation: str
+    summary: str
+    # Path parameter -> input member.
+    path_members: dict[str, str] = field(default_factory=dict)
+    body: bool = False
+    query: bool = False
+    example: dict[str, Any] | None = None
+
+
+ROUTES = [
+    Route("POST", "/clusters", "CreateCluster", "Create a cluster", body=True, example=EXAMPLE_CREATE),
+    Route("GET", "/clusters", "ListClusters", "List clusters", query=True),
+    Route("GET", "/clusters/{name}", "DescribeCluster", "Describe a cluster", {"name": "ClusterName"}),
+    Route(
+        "PATCH",
+        "/clusters/{name}",
+        "UpdateCluster",
+        "Update a cluster (scale groups, delete groups, TieredStorageConfig, NodeRecovery)",
+        {"name": "ClusterName"},
+        body=True,
+        example=EXAMPLE_UPDATE,
+    ),
+    Route("DELETE", "/clusters/{name}", "DeleteCluster", "Delete a cluster", {"name": "ClusterName"}),
+    Route(
+        "GET",
+        "/clusters/{name}/nodes",
+        "ListClusterNodes",
+        "List a cluster's nodes",
+        {"name": "ClusterName"},
+        query=True,
+    ),
+    Route(
+        "GET",
+        "/clusters/{name}/nodes/{node_id}",
+        "DescribeClusterNode",
+        "Describe one node",
+        {"name": "ClusterName", "node_id": "NodeId"},
+    ),
+    Route(
+        "POST",
+        "/clusters/{name}/nodes/batch-delete",
+        "BatchDeleteClusterNodes",
+        "Delete nodes by id or logical id",
+        {"name": "ClusterName"},
+        body=True,
+        example={"NodeIds": ["i-0123456789abcdef0"]},
+    ),
+    Route(
+        "GET",
+        "/tags",
+        "ListTags",
+        "List the tags of a cluster ARN",
+        query=True,
+    ),
+    Route(
+        "POST",
+        "/tags",
+        "AddTags",
+        "Add or overwrite tags on a cluster ARN",
+        body=True,
+        example={
+            "ResourceArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+            "Tags": [{"Key": "team", "Value": "research"}],
+        },
+    ),
+    Route(
+        "POST",
+        "/tags/delete",
+        "DeleteTags",
+        "Remove tags from a cluster ARN",
+        body=True,
+        example={
+            "ResourceArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+            "TagKeys": ["team"],
+        },
+    ),
+]
+
+
+def _query_params(operation: str, request: Request) -> dict[str, Any]:
+    """Query string -> input members, typed by the input shape (lists repeat the parameter)."""
+    shape = shapes.service_model().operation_model(operation).input_shape
+    params: dict[str, Any] = {}
+    for key in request.query_params:
+        member = shape.members.get(key)
+        values = request.query_params.getlist(key)
+        if member is None:
+            params[key] = values[-1]  # validation reports the unknown member
+        elif member.type_name == "list":
+            params[key] = values
+        elif member.type_name in ("integer", "long"):
+            value = values[-1]
+            params[key] = int(value) if value.lstrip("-").isdigit() else value
+        elif member.type_name == "boolean":
+            params[key] = {"true": True, "false": False}.get(values[-1].lower(), values[-1])
+        elif member.type_name == "timestamp":
+            value = values[-1]
+            try:
+                params[key] = float(value)
+            except ValueError:
+                params[key] = value
+        else:
+            params[key] = values[-1]
+    return params
+
+
+def _make_endpoint(route: Route) -> Callable[..., Any]:
+    async def endpoint(request: Request, services: ServicesDep) -> Any:
+        from fastapi.concurrency import run_in_threadpool
+
+        params: dict[str, Any] = {}
+        if route.query:
+            params.update(_query_params(route.operation, request))
+        if route.body:
+            raw = await request.body()
+            try:
+                body = json.loads(raw) if raw.strip() else {}
+            except ValueError as exc:
+                raise SerializationException("The request body is not valid JSON.") from exc
+            if not isinstance(body, dict):
+                raise SerializationException("The request body must be a JSON object.")
+            params.update(body)
+        for path_param, member in route.path_members.items():
+            params[member] = request.path_params[path_param]
+        try:
+            return await run_in_threadpool(dispatch, services.clusters, route.operation, params)
+        except Exception as exc:
+            raise as_aws_error(exc) from exc
+
+    endpoint.__name__ = route.operation
+    return endpoint
+
+
+def _openapi_extra(route: Route) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    shape = shapes.service_model().operation_model(route.operation).input_shape
+    if route.body:
+        content: dict[str, Any] = {"schema": {"$ref": f"#/components/schemas/{shape.name}"}}
+        if route.example is not None:
+            content["example"] = route.example
+        extra["requestBody"] = {"required": True, "content": {"application/json": content}}
+    if route.query:
+        params = []
+        for name, member in shape.members.items():
+            if name in route.path_members.values():
+                continue
+            schema = shapes.shape_to_json_schema(member, {})
+            params.append(
+                {
+                    "name": name,
+                    "in": "query",
+                    "required": name in shape.required_members,
+                    "schema": schema,
+                    "description": schema.get("description", ""),
+                }
+            )
+        extra["parameters"] = params
+    return extra
+
+
+for _route in ROUTES:
+    _output = shapes.service_model().operation_model(_route.operation).output_shape
+    router.add_api_route(
+        _route.path,
+        _make_endpoint(_route),
+        methods=[_route.method],
+        summary=_route.summary,
+        description=(
+            f"The AWS `{_route.operation}` operation over REST: same members, same validation, "
+            "same errors as `POST /` with `X-Amz-Target: SageMaker."
+            f"{_route.operation}`."
+        ),
+        operation_id=_route.operation,
+        openapi_extra=_openapi_extra(_route),
+        responses={
+            200: {
+                "description": f"{_route.operation} output",
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{_output.name}"}
+                        if _output is not None
+                        else {"type": "object"}
+                    }
+                },
+            },
+            400: {"description": "ValidationException and other client errors (AWS error shape)"},
+            404: {"description": "ResourceNotFound"},
+            409: {"description": "ResourceInUse or ConflictException"},
+        },
+    )
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Add the botocore-derived schemas of every routed operation to the OpenAPI document."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            summary=app.summary,
+            description=app.description,
+            routes=app.routes,
+        )
+        components: dict[str, dict[str, Any]] = {}
+        for route in ROUTES:
+            operation = shapes.service_model().operation_model(route.operation)
+            for shape in (operation.input_shape, operation.output_shape):
+                if shape is not None:
+                    shapes.shape_to_json_schema(shape, components)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,1 @@
+"""The domain layer: cluster lifecycle, node set, desired state. No HTTP in here."""

@@ -1,0 +1,74 @@
+"""AWS-shaped errors raised by the domain and the protocol layers.
+
+One class per AWS error code. Each carries the code botocore looks up (``__type``), the message,
+and the HTTP status the real service answers with. The API layer serializes them; nothing below
+it builds HTTP responses.
+"""
+
+from __future__ import annotations
+
+
+class AwsError(Exception):
+    """Base of every error that reaches a client in the AWS shape."""
+
+    code: str = "InternalFailure"
+    status: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_body(self) -> dict[str, str]:
+        return {"__type": self.code, "message": self.message}
+
+
+class ValidationException(AwsError):
+    code = "ValidationException"
+    status = 400
+
+
+class ResourceNotFound(AwsError):
+    code = "ResourceNotFound"
+    status = 400
+
+
+class ResourceInUse(AwsError):
+    code = "ResourceInUse"
+    status = 400
+
+
+class ConflictException(AwsError):
+    code = "ConflictException"
+    status = 400
+
+
+class ResourceLimitExceeded(AwsError):
+    code = "ResourceLimitExceeded"
+    status = 400
+
+
+class UnknownOperationException(AwsError):
+    code = "UnknownOperationException"
+    status = 400
+
+
+class SerializationException(AwsError):
+    code = "SerializationException"
+    status = 400
+
+
+class InternalFailure(AwsError):
+    code = "InternalFailure"
+    status = 500
+
+
+class ServiceUnavailable(AwsError):
+    code = "ServiceUnavailable"
+    status = 503
+
+
+def validation_error(errors: list[str]) -> ValidationException:
+    """Build one ValidationException from constraint messages, in AWS's phrasing."""
+    count = len(errors)
+    noun = "error" if count == 1 else "errors"
+    return ValidationException(f"{count} validation {noun} detected: " + "; ".join(errors))

@@ -1,0 +1,3 @@
+from hyperpod_sim.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,234 @@
+"""Shared fixtures: a real control plane on a loopback port, on SQLite and on PostgreSQL.
+
+Each test gets its own database: a fresh SQLite file, or a fresh PostgreSQL database created on
+the server named by ``HPSIM_TEST_POSTGRES_URL`` (PostgreSQL tests are skipped without it).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import uvicorn
+from botocore.config import Config
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from api.app import create_app
+from api.deps import Services
+from hyperpod_sim.settings import Settings
+
+POSTGRES_URL = os.environ.get("HPSIM_TEST_POSTGRES_URL")
+ROLE = "arn:aws:iam::123456789012:role/HyperPodExecution"
+EKS = {"Eks": {"ClusterArn": "arn:aws:eks:us-east-1:123456789012:cluster/my-eks"}}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+class ManualClock:
+    """A clock the test moves; nothing in the service waits on wall time with it."""
+
+    def __init__(self) -> None:
+        self._now = datetime(2026, 1, 1, tzinfo=UTC)
+        self._lock = threading.Lock()
+
+    def now(self) -> datetime:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += timedelta(seconds=seconds)
+
+
+@dataclass
+class ControlPlane:
+    url: str
+    services: Services
+    clock: ManualClock
+    database_url: str
+
+    def client(self, *, validate: bool = True) -> Any:
+        return boto3.client(
+            "sagemaker",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            config=Config(parameter_validation=validate, retries={"max_attempts": 1}),
+        )
+
+    def advance(self, seconds: float) -> None:
+        """Move time on and let the reconciler act on it."""
+        self.clock.advance(seconds)
+        self.services.reconciler.wake()
+
+    def settle(self, sm: Any, name: str, status: str = "InService", *, timeout: float = 30) -> dict[str, Any]:
+        """Let simulated time pass (a launch delay per poll) until the cluster reaches ``status``.
+
+        Time moves on every poll, not once: nodes the reconciler launches after the first step
+        get their own launch delay, and must see it pass too.
+        """
+
+        def check() -> dict[str, Any] | None:
+            self.advance(60)
+            description: dict[str, Any] = sm.describe_cluster(ClusterName=name)
+            return description if description["ClusterStatus"] == status else None
+
+        result: dict[str, Any] = wait_for(check, timeout=timeout, what=f"cluster {name} to be {status}")
+        return result
+
+
+class ServerThread:
+    """uvicorn serving an app on a loopback port, in this process (real HTTP)."""
+
+    def __init__(self, app: Any, port: int) -> None:
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        wait_for(lambda: self.server.started, timeout=30, what="server start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'cp.db'}"
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    if not POSTGRES_URL:
+        pytest.skip("HPSIM_TEST_POSTGRES_URL is not set")
+    name = f"hpsim_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest) -> str:
+    url: str = request.getfixturevalue(f"{request.param}_url")
+    return url
+
+
+def make_settings(database_url: str, data_dir: Path, **overrides: Any) -> Settings:
+    settings = Settings(data_dir=data_dir, **overrides)
+    settings.database.url = database_url
+    return settings
+
+
+@pytest.fixture
+def settings_overrides() -> dict[str, Any]:
+    """Override in a test module to change the control plane's settings."""
+    return {}
+
+
+@pytest.fixture
+def control_plane(
+    database_url: str, tmp_path: Path, settings_overrides: dict[str, Any]
+) -> Iterator[ControlPlane]:
+    """A control plane whose nodes launch with a 60 s delay on a manual clock: clusters stay
+    Creating/Updating until the test advances the clock (``cp.advance(60)``)."""
+    overrides = {"provisioning": {"node_ready_delay_s": 60}, **settings_overrides}
+    settings = make_settings(database_url, tmp_path / "data", **overrides)
+    clock = ManualClock()
+    app = create_app(settings, clock=clock)
+    port = free_port()
+    with ServerThread(app, port):
+        yield ControlPlane(
+            url=f"http://127.0.0.1:{port}",
+            services=app.state.services,
+            clock=clock,
+            database_url=database_url,
+        )
+
+
+@pytest.fixture
+def sm(control_plane: ControlPlane) -> Any:
+    return control_plane.client()
+
+
+@pytest.fixture
+def raw_sm(control_plane: ControlPlane) -> Any:
+    """A client that sends what it is given: botocore's own checks off, to reach our validation."""
+    return control_plane.client(validate=False)
+
+
+def group(
+    name: str = "workers", count: int = 2, instance_type: str = "ml.p5.48xlarge", **extra: Any
+) -> dict[str, Any]:
+    return {
+        "InstanceGroupName": name,
+        "InstanceType": instance_type,
+        "InstanceCount": count,
+        "ExecutionRole": ROLE,
+        **extra,
+    }
+
+
+def status_of(sm: Any, name: str) -> str:
+    status: str = sm.describe_cluster(ClusterName=name)["ClusterStatus"]
+    return status
+
+
+def wait_status(sm: Any, name: str, status: str, *, timeout: float = 30) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        description: dict[str, Any] = sm.describe_cluster(ClusterName=name)
+        return description if description["ClusterStatus"] == status else None
+
+    result: dict[str, Any] = wait_for(check, timeout=timeout, what=f"cluster {name} to be {status}")
+    return result
+
+
+def wait_gone(sm: Any, name: str, *, timeout: float = 30) -> None:
+    def gone() -> bool:
+        try:
+            sm.describe_cluster(ClusterName=name)
+        except sm.exceptions.ResourceNotFound:
+            return True
+        return False
+
+    wait_for(gone, timeout=timeout, what=f"cluster {name} to be deleted")
