@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import rest
-from api.deps import AMZ_JSON, Services, ServicesDep, as_aws_error, error_response
-from api.operations import OPERATIONS, dispatch
+from api.awsjson import AwsJsonEntry
+from api.deps import Services, ServicesDep, error_response
+from api.operations import OPERATIONS
 from domain.clock import Clock, Ids, SystemClock
 from domain.clusters import ClusterService, DomainConfig
-from domain.errors import AwsError, SerializationException, UnknownOperationException
+from domain.errors import AwsError, UnknownOperationException
 from domain.reconciler import Provisioner, Reconciler, SimulatedProvisioner
 from hyperpod_sim.settings import Settings
 from models import Database
-
-TARGET_PREFIX = "SageMaker."
 
 
 def build_services(
@@ -97,49 +94,31 @@ def create_app(
     async def _aws_error(request: Request, exc: AwsError) -> JSONResponse:
         return error_response(exc, rest.status_for(exc), media_type="application/json")
 
-    @app.post(
-        "/",
-        summary="AWS JSON 1.1 entry point",
-        description=(
-            "The SageMaker wire protocol. The operation is named by the `X-Amz-Target` header "
-            "(`SageMaker.CreateCluster`, ...), the body is the operation's input as JSON. SigV4 "
-            "signatures are accepted and not checked."
-        ),
-        tags=["aws"],
-        responses={400: {"description": 'AWS error: `{"__type": code, "message": text}`'}},
-    )
-    async def aws_json(request: Request, services: ServicesDep) -> Response:
-        target = request.headers.get("x-amz-target", "")
-        if not target.startswith(TARGET_PREFIX):
-            return error_response(
-                UnknownOperationException(
-                    f"Missing or unknown X-Amz-Target '{target}'; expected 'SageMaker.<Operation>'."
-                ),
-                400,
-            )
-        operation = target[len(TARGET_PREFIX) :]
-        raw = await request.body()
-        try:
-            body: object = json.loads(raw) if raw.strip() else {}
-        except ValueError:
-            return error_response(SerializationException("The request body is not valid JSON."), 400)
-        try:
-            result = await run_in_threadpool(dispatch, services.clusters, operation, body)
-        except Exception as exc:  # every failure leaves in the AWS shape
-            error = as_aws_error(exc)
-            return error_response(error, error.status)
-        return Response(
-            json.dumps(result),
-            media_type=AMZ_JSON,
-            headers={"x-amzn-RequestId": str(uuid.uuid4())},
+    @app.exception_handler(StarletteHTTPException)
+    async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Paths and methods no route serves answer in the AWS shape too."""
+        if exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
+        elif exc.status_code == 404:
+            message = f"No route serves {request.method} {request.url.path}; see /docs."
+        else:
+            message = str(exc.detail)
+        return error_response(
+            UnknownOperationException(message), exc.status_code, media_type="application/json"
         )
 
-    @app.get("/health", tags=["service"], summary="Liveness and database check")
+    @app.get(
+        "/health",
+        tags=["service"],
+        summary="Liveness and database check",
+        description='200 with `{"status": "ok"}` when the service runs and its database answers.',
+    )
     def health(services: ServicesDep) -> dict[str, str]:
         with services.db.read() as session:
             session.connection().exec_driver_sql("SELECT 1")
         return {"status": "ok"}
 
     app.include_router(rest.router)
+    app.add_middleware(AwsJsonEntry)
     rest.install_openapi(app)
     return app

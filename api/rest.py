@@ -18,7 +18,7 @@ from fastapi.openapi.utils import get_openapi
 
 from api import shapes
 from api.deps import ServicesDep, as_aws_error
-from api.operations import dispatch
+from api.operations import OPERATIONS, dispatch
 from domain.errors import (
     AwsError,
     ConflictException,
@@ -265,6 +265,46 @@ for _route in ROUTES:
     )
 
 
+def _aws_json_entry_doc() -> dict[str, Any]:
+    """OpenAPI entry for ``POST /``, which api/awsjson.py serves in front of the routes."""
+    return {
+        "tags": ["aws"],
+        "summary": "AWS JSON 1.1 entry point (boto3, AWS CLI, sagemaker-core)",
+        "description": (
+            "The SageMaker wire protocol. The operation is named by the `X-Amz-Target` header, "
+            "the body is the operation's input as JSON, timestamps are epoch seconds. SigV4 "
+            "signatures are accepted and not checked. Operations: "
+            + ", ".join(f"`{name}`" for name in sorted(OPERATIONS))
+            + ". Errors: HTTP 400 (500/503 for service faults) with "
+            '`{"__type": "<Code>", "message": "..."}`, which botocore raises as the modelled '
+            "exception."
+        ),
+        "operationId": "AwsJson",
+        "parameters": [
+            {
+                "name": "X-Amz-Target",
+                "in": "header",
+                "required": True,
+                "schema": {"type": "string", "example": "SageMaker.DescribeCluster"},
+                "description": "`SageMaker.<Operation>`",
+            }
+        ],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/x-amz-json-1.1": {
+                    "schema": {"type": "object"},
+                    "example": {"ClusterName": "demo"},
+                }
+            },
+        },
+        "responses": {
+            "200": {"description": "The operation's output as JSON"},
+            "400": {"description": 'AWS error: `{"__type": "<Code>", "message": "..."}`'},
+        },
+    }
+
+
 def install_openapi(app: FastAPI) -> None:
     """Add the botocore-derived schemas of every routed operation to the OpenAPI document."""
 
@@ -285,6 +325,7 @@ def install_openapi(app: FastAPI) -> None:
                 if shape is not None:
                     shapes.shape_to_json_schema(shape, components)
         schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        schema["paths"]["/"] = {"post": _aws_json_entry_doc()}
         app.openapi_schema = schema
         return schema
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Select, delete, func, select
+from sqlalchemy import Select, bindparam, delete, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from domain.clock import Clock, Ids
@@ -85,6 +85,40 @@ class Page(Generic[T]):
 class NodeDeletion:
     successful: list[str]
     failed: list[tuple[str, str, str]]  # (node id, code, message)
+
+
+_CLUSTERS = Cluster.__table__
+_GROUPS = InstanceGroup.__table__
+_NODES = Node.__table__
+_GROUP_LABELS = {column.name: f"group_{column.name}" for column in _GROUPS.c}
+
+
+def _describe_statement(key: Any) -> Any:
+    """Cluster row joined with its group rows, each with its Running node count."""
+    running = (
+        select(func.count())
+        .where(
+            _NODES.c.cluster_id == _GROUPS.c.cluster_id,
+            _NODES.c.group_name == _GROUPS.c.name,
+            _NODES.c.status == NodeStatus.RUNNING.value,
+        )
+        .correlate(_GROUPS)
+        .scalar_subquery()
+    )
+    return (
+        select(
+            *_CLUSTERS.c,
+            *[column.label(_GROUP_LABELS[column.name]) for column in _GROUPS.c],
+            running.label("running"),
+        )
+        .select_from(_CLUSTERS.outerjoin(_GROUPS, _GROUPS.c.cluster_id == _CLUSTERS.c.id))
+        .where(key == bindparam("key"))
+        .order_by(_GROUPS.c.position)
+    )
+
+
+_DESCRIBE_BY_NAME = _describe_statement(_CLUSTERS.c.name)
+_DESCRIBE_BY_ARN = _describe_statement(_CLUSTERS.c.arn)
 
 
 def _encode_token(offset: int, scope: str) -> str:
@@ -296,16 +330,28 @@ class ClusterService:
         return cluster
 
     def describe_cluster(self, *, name: str) -> tuple[Cluster, dict[str, int]]:
-        """The cluster and the number of Running nodes per instance group."""
-        with self.db.read() as session:
-            cluster = self._get(session, name)
-            counts = session.execute(
-                select(Node.group_name, func.count())
-                .where(Node.cluster_id == cluster.id, Node.status == NodeStatus.RUNNING)
-                .group_by(Node.group_name)
-            )
-            running = {group: count for group, count in counts}
-            return cluster, running
+        """The cluster (detached, with its groups) and the number of Running nodes per group.
+
+        The hottest read of the API: one prepared Core statement instead of three ORM queries
+        (measured: 0.85 ms -> see bench/control_plane.py and the commit message).
+        """
+        statement = _DESCRIBE_BY_ARN if name.startswith("arn:") else _DESCRIBE_BY_NAME
+        with self.db.engine.connect() as conn:
+            rows = conn.execute(statement, {"key": name}).all()
+        if not rows:
+            raise ResourceNotFound(f"Cluster '{name}' does not exist.")
+        first = rows[0]._mapping
+        cluster = Cluster(**{column.name: first[column] for column in _CLUSTERS.c})
+        groups: list[InstanceGroup] = []
+        running: dict[str, int] = {}
+        for row in rows:
+            mapping = row._mapping
+            if mapping[_GROUP_LABELS["id"]] is None:
+                continue  # a cluster without groups (all deleted)
+            groups.append(InstanceGroup(**{key: mapping[label] for key, label in _GROUP_LABELS.items()}))
+            running[mapping[_GROUP_LABELS["name"]]] = mapping["running"]
+        cluster.instance_groups = groups
+        return cluster, running
 
     def update_cluster(
         self,

@@ -53,6 +53,8 @@ class Outcome:
     """What one reconcile pass over one cluster did."""
 
     changed: bool = False
+    # Another pass right away can make progress (nodes to remove, a deletion under way).
+    again: bool = False
     # The earliest time something is due (a pending node's ready time), to sleep until then.
     due: datetime | None = None
 
@@ -125,14 +127,15 @@ class Reconciler:
             return list(session.scalars(query))
 
     def run_once(self) -> datetime | None:
-        """Reconcile every cluster with work until none changes; return when to look again."""
+        """Reconcile every cluster with work, pass after pass while one leaves more to do;
+        return when something is next due."""
         due: datetime | None = None
         for cluster_id in self.pending_cluster_ids():
             for _ in range(100):  # a pass per status step; bounded in case of a bug
                 outcome = self.reconcile(cluster_id)
                 if outcome.due is not None:
                     due = outcome.due if due is None else min(due, outcome.due)
-                if not outcome.changed:
+                if not (outcome.changed and outcome.again):
                     break
         return due
 
@@ -163,7 +166,7 @@ class Reconciler:
         if cluster.status == ClusterStatus.DELETING:
             for node in cluster.nodes:
                 node.status = NodeStatus.SHUTTING_DOWN
-                outcome.changed = True
+                outcome.changed = outcome.again = True
             if not cluster.nodes:
                 session.execute(delete(Tag).where(Tag.resource_arn == cluster.arn))
                 session.delete(cluster)
@@ -184,9 +187,10 @@ class Reconciler:
             if not nodes:
                 cluster.instance_groups.remove(group)
                 session.delete(group)
-            outcome.changed = True
+            outcome.changed = outcome.again = True
 
-        # 3. Scale each group to its target; bring pending nodes up.
+        # 3. Scale each group to its target, and bring pending nodes up, in the same pass: with
+        # no launch delay a new cluster goes Creating -> InService in one transaction.
         converged = True
         for group in cluster.instance_groups:
             if group.status == GroupStatus.DELETING:
@@ -194,17 +198,19 @@ class Reconciler:
                 continue
             nodes = live_by_group.get(group.name, [])
             if len(nodes) < group.target_count:
-                for _ in range(group.target_count - len(nodes)):
-                    cluster.nodes.append(self._launch(cluster, group, now))
+                launched = [self._launch(cluster, group, now) for _ in range(group.target_count - len(nodes))]
+                cluster.nodes.extend(launched)
+                nodes = nodes + launched
                 outcome.changed = True
-                converged = False
             elif len(nodes) > group.target_count:
                 # Scale down: pending nodes first, then the newest.
-                surplus = sorted(
+                by_preference = sorted(
                     nodes, key=lambda n: (n.status != NodeStatus.PENDING, -n.launch_time.timestamp())
                 )
-                for node in surplus[: len(nodes) - group.target_count]:
+                surplus = len(nodes) - group.target_count
+                for node in by_preference[:surplus]:
                     node.status = NodeStatus.SHUTTING_DOWN
+                nodes = by_preference[surplus:]
                 outcome.changed = True
                 converged = False
             for node in nodes:
@@ -217,6 +223,7 @@ class Reconciler:
                         converged = False
         if any(n.status == NodeStatus.SHUTTING_DOWN for n in cluster.nodes):
             converged = False
+            outcome.again = True
 
         # 4. Status follows convergence.
         if converged and cluster.status in (ClusterStatus.CREATING, ClusterStatus.UPDATING):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import httpx
 import pytest
 import uvicorn
 from botocore.config import Config
@@ -232,3 +235,70 @@ def wait_gone(sm: Any, name: str, *, timeout: float = 30) -> None:
         return False
 
     wait_for(gone, timeout=timeout, what=f"cluster {name} to be deleted")
+
+
+class ServerProcess:
+    """``hyperpod-sim serve`` as a real process, for tests that kill and restart it."""
+
+    def __init__(self, database_url: str, data_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.database_url = database_url
+        self.data_dir = data_dir
+        self.env = {**os.environ, **(env or {})}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServerProcess:
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hyperpod_sim",
+                "serve",
+                "--port",
+                str(self.port),
+                "--database-url",
+                self.database_url,
+                "--data-dir",
+                str(self.data_dir),
+            ],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        wait_for(self._healthy, timeout=60, what="control plane process to answer /health")
+        return self
+
+    def _healthy(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            stderr = self.process.stderr.read().decode() if self.process.stderr else ""
+            raise AssertionError(f"control plane exited with {self.process.returncode}: {stderr}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown hooks run, as in a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def client(self) -> Any:
+        return boto3.client(
+            "sagemaker",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            config=Config(retries={"max_attempts": 1}),
+        )

@@ -1,0 +1,20 @@
+FROM python:3.11-slim
+
+WORKDIR /app
+COPY pyproject.toml README.md alembic.ini ./
+COPY api api
+COPY domain domain
+COPY models models
+COPY migrations migrations
+COPY agents agents
+COPY sdk sdk
+COPY hyperpod_sim hyperpod_sim
+RUN pip install --no-cache-dir '.[server]'
+
+ENV HPSIM_HOST=0.0.0.0 \
+    HPSIM_PORT=8080 \
+    HPSIM_DATA_DIR=/data
+EXPOSE 8080
+VOLUME ["/data"]
+ENTRYPOINT ["hyperpod-sim"]
+CMD ["serve"]
