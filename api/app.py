@@ -6,17 +6,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api import rest
+from api import agent_routes, rest
 from api.awsjson import AwsJsonEntry
 from api.deps import Services, ServicesDep, error_response
 from api.operations import OPERATIONS
+from domain.agents import AgentConfig, AgentService
 from domain.clock import Clock, Ids, SystemClock
 from domain.clusters import ClusterService, DomainConfig
-from domain.errors import AwsError, UnknownOperationException
-from domain.reconciler import Provisioner, Reconciler, SimulatedProvisioner
+from domain.errors import AwsError, UnknownOperationException, ValidationException
+from domain.provisioning import Provisioner, make_provisioner
+from domain.reconciler import Reconciler, ReconcilerConfig
 from hyperpod_sim.settings import Settings
 from models import Database
 
@@ -33,13 +36,41 @@ def build_services(
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     db = Database(settings.database_url())
     db.migrate()
+    provisioning = settings.provisioning
+    if provisioner is None:
+        provisioner = make_provisioner(
+            provisioning.mode,
+            command=provisioning.agent_command,
+            control_plane_url=settings.control_plane_url(),
+            data_dir=settings.data_dir.resolve(),
+            heartbeat_interval_s=provisioning.heartbeat_interval_s,
+        )
     reconciler = Reconciler(
         db=db,
         clock=clock,
         ids=ids,
-        provisioner=provisioner or SimulatedProvisioner(),
-        node_ready_delay_s=settings.provisioning.node_ready_delay_s,
-        interval_s=settings.reconciler.interval_s,
+        provisioner=provisioner,
+        config=ReconcilerConfig(
+            interval_s=settings.reconciler.interval_s,
+            node_ready_delay_s=provisioning.node_ready_delay_s,
+            heartbeat_timeout_s=provisioning.heartbeat_timeout_s,
+            launch_timeout_s=provisioning.launch_timeout_s,
+            memory_scale=settings.simulation.memory_scale,
+            push_workers=settings.reconciler.push_workers,
+            push_timeout_s=settings.reconciler.push_timeout_s,
+            push_backoff_s=settings.reconciler.push_backoff_s,
+            push_backoff_max_s=settings.reconciler.push_backoff_max_s,
+        ),
+    )
+    agents = AgentService(
+        db=db,
+        clock=clock,
+        ids=ids,
+        config=AgentConfig(
+            heartbeat_interval_s=provisioning.heartbeat_interval_s,
+            memory_scale=settings.simulation.memory_scale,
+        ),
+        on_change=reconciler.wake,
     )
     clusters = ClusterService(
         db=db,
@@ -53,7 +84,7 @@ def build_services(
         ),
         on_change=reconciler.wake,
     )
-    return Services(settings=settings, db=db, clusters=clusters, reconciler=reconciler)
+    return Services(settings=settings, db=db, clusters=clusters, agents=agents, reconciler=reconciler)
 
 
 def create_app(
@@ -94,6 +125,15 @@ def create_app(
     async def _aws_error(request: Request, exc: AwsError) -> JSONResponse:
         return error_response(exc, rest.status_for(exc), media_type="application/json")
 
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
+        )
+        if request.url.path.startswith("/agent/"):
+            return JSONResponse({"error": "InvalidRequest", "message": problems}, status_code=400)
+        return error_response(ValidationException(problems), 400, media_type="application/json")
+
     @app.exception_handler(StarletteHTTPException)
     async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Paths and methods no route serves answer in the AWS shape too."""
@@ -119,6 +159,7 @@ def create_app(
         return {"status": "ok"}
 
     app.include_router(rest.router)
+    app.include_router(agent_routes.router)
     app.add_middleware(AwsJsonEntry)
     rest.install_openapi(app)
     return app

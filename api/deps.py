@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 
+from domain.agents import AgentService
 from domain.clusters import ClusterService
 from domain.errors import AwsError, InternalFailure, ServiceUnavailable
 from domain.reconciler import Reconciler
@@ -27,6 +28,7 @@ class Services:
     settings: Settings
     db: Database
     clusters: ClusterService
+    agents: AgentService
     reconciler: Reconciler
 
 

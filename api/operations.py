@@ -15,7 +15,7 @@ from typing import Any
 from api import shapes
 from domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from domain.errors import UnknownOperationException
-from models import Cluster, InstanceGroup, Node
+from models import Cluster, ClusterEvent, InstanceGroup, Node
 
 Params = dict[str, Any]
 Handler = Callable[[ClusterService, Params], dict[str, Any]]
@@ -107,8 +107,21 @@ def _dns_name(node: Node, region: str) -> str:
     return f"ip-{node.private_ip.replace('.', '-')}.{domain}"
 
 
+def _agent_status(node: Node) -> dict[str, Any] | None:
+    """Extension member: the node's agent as the control plane last saw it."""
+    if node.endpoint is None and node.last_error is None:
+        return None
+    return {
+        "Endpoint": node.endpoint,
+        "AppliedPolicyGeneration": node.acked_generation,
+        "LastHeartbeatTime": node.last_heartbeat,
+        "LastError": node.last_error,
+    }
+
+
 def _node_summary(node: Node, region: str, *, logical_ids: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
+        "AgentStatus": _agent_status(node),
         "InstanceGroupName": node.group_name,
         "InstanceId": node.id,
         "InstanceType": node.instance_type,
@@ -127,8 +140,11 @@ def _availability_zone_id(region: str) -> str:
     return f"{area}{direction[0]}{number}-az1"
 
 
-def _node_details(node: Node, group: InstanceGroup | None, region: str) -> dict[str, Any]:
+def _node_details(node: Node, cluster: Cluster, region: str) -> dict[str, Any]:
+    group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
     out = _node_summary(node, region, logical_ids=True)
+    if out["AgentStatus"] is not None:
+        out["AgentStatus"]["DesiredPolicyGeneration"] = cluster.generation
     spec = group.spec if group is not None else {}
     for key in ("LifeCycleConfig", "ThreadsPerCore", "InstanceStorageConfigs", "OverrideVpcConfig"):
         if key in spec:
@@ -244,8 +260,7 @@ def describe_cluster_node(svc: ClusterService, p: Params) -> dict[str, Any]:
         name=p["ClusterName"], node_id=p.get("NodeId"), node_logical_id=p.get("NodeLogicalId")
     )
     cluster, _ = svc.describe_cluster(name=p["ClusterName"])
-    group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
-    return {"NodeDetails": _node_details(node, group, svc.config.region)}
+    return {"NodeDetails": _node_details(node, cluster, svc.config.region)}
 
 
 def batch_delete_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
@@ -256,6 +271,40 @@ def batch_delete_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]
         **_deletion(by_id, "Successful", "Failed", "NodeId"),
         **_deletion(by_logical, "SuccessfulNodeLogicalIds", "FailedNodeLogicalIds", "NodeLogicalId"),
     }
+
+
+def _event(cluster: Cluster, event: ClusterEvent) -> dict[str, Any]:
+    return {
+        "EventId": event.id,
+        "ClusterArn": cluster.arn,
+        "ClusterName": cluster.name,
+        "InstanceGroupName": event.instance_group_name,
+        "InstanceId": event.instance_id,
+        "ResourceType": event.resource_type,
+        "EventTime": event.event_time,
+        "Description": event.description,
+        "EventLevel": event.level,
+    }
+
+
+def list_cluster_events(svc: ClusterService, p: Params) -> dict[str, Any]:
+    cluster, page = svc.list_cluster_events(
+        name=p["ClusterName"],
+        instance_group_name=p.get("InstanceGroupName"),
+        node_id=p.get("NodeId"),
+        event_time_after=p.get("EventTimeAfter"),
+        event_time_before=p.get("EventTimeBefore"),
+        resource_type=p.get("ResourceType"),
+        sort_order=p.get("SortOrder"),
+        max_results=p.get("MaxResults"),
+        next_token=p.get("NextToken"),
+    )
+    return {"Events": [_event(cluster, e) for e in page.items], "NextToken": page.next_token}
+
+
+def describe_cluster_event(svc: ClusterService, p: Params) -> dict[str, Any]:
+    cluster, event = svc.describe_cluster_event(name=p["ClusterName"], event_id=p["EventId"])
+    return {"EventDetails": _event(cluster, event)}
 
 
 def add_tags(svc: ClusterService, p: Params) -> dict[str, Any]:
@@ -281,6 +330,8 @@ OPERATIONS: dict[str, Handler] = {
     "ListClusterNodes": list_cluster_nodes,
     "DescribeClusterNode": describe_cluster_node,
     "BatchDeleteClusterNodes": batch_delete_cluster_nodes,
+    "ListClusterEvents": list_cluster_events,
+    "DescribeClusterEvent": describe_cluster_event,
     "AddTags": add_tags,
     "ListTags": list_tags,
     "DeleteTags": delete_tags,

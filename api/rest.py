@@ -122,6 +122,21 @@ ROUTES = [
     ),
     Route(
         "GET",
+        "/clusters/{name}/events",
+        "ListClusterEvents",
+        "List a cluster's events (node failures, replacements, policy rollouts), newest first",
+        {"name": "ClusterName"},
+        query=True,
+    ),
+    Route(
+        "GET",
+        "/clusters/{name}/events/{event_id}",
+        "DescribeClusterEvent",
+        "Describe one event",
+        {"name": "ClusterName", "event_id": "EventId"},
+    ),
+    Route(
+        "GET",
         "/tags",
         "ListTags",
         "List the tags of a cluster ARN",

@@ -404,6 +404,25 @@ def validate_input(operation: str, params: object) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
+# hyperpod-sim's own members, added to AWS output structures (botocore ignores members its model
+# lacks; raw JSON and REST clients see them). Documented in the README and the OpenAPI schema.
+EXTENSION_MEMBERS: dict[str, frozenset[str]] = {
+    "ClusterNodeDetails": frozenset({"AgentStatus"}),
+    "ClusterNodeSummary": frozenset({"AgentStatus"}),
+}
+
+
+def _plain(value: Any) -> Any:
+    """An extension member's value as JSON: datetimes as epoch seconds, None dropped."""
+    if isinstance(value, datetime):
+        return (value if value.tzinfo is not None else value.replace(tzinfo=UTC)).timestamp()
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items() if item is not None}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
 def _serialize(shape: Any, value: Any, where: str) -> Any:
     kind = shape.type_name
     if kind == "structure":
@@ -413,6 +432,9 @@ def _serialize(shape: Any, value: Any, where: str) -> Any:
         out: dict[str, Any] = {}
         for key, item in value.items():
             if item is None:
+                continue
+            if key not in members and key in EXTENSION_MEMBERS.get(shape.name, ()):
+                out[key] = _plain(item)
                 continue
             if key not in members:
                 raise ValueError(f"{where}: '{key}' is not a member of {shape.name}")

@@ -184,6 +184,7 @@ def start_hpsim(workdir: Path) -> Server:
     env = dict(os.environ)
     env.update(
         {
+            "HPSIM_PROVISIONING__MODE": "simulated",
             "HPSIM_PROVISIONING__NODE_READY_DELAY_S": "0",
             "HPSIM_LIMITS__MAX_CLUSTERS": "10000000",
         }

@@ -31,6 +31,10 @@ class Ids:
         """``i-`` and 17 hex digits, as an EC2 instance id."""
         return "i-" + secrets.token_hex(9)[:17]
 
+    def token(self) -> str:
+        """A cluster secret for the agent protocol."""
+        return secrets.token_hex(32)
+
     def event_id(self) -> str:
         return str(uuid.uuid4())
 

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Select, bindparam, delete, func, select
 from sqlalchemy.orm import Session, selectinload
 
+from domain import events
 from domain.clock import Clock, Ids
 from domain.errors import (
     ConflictException,
@@ -36,7 +37,7 @@ from domain.lifecycle import (
     NodeStatus,
     check_transition,
 )
-from models import Cluster, Database, InstanceGroup, Node, Tag
+from models import Cluster, ClusterEvent, Database, InstanceGroup, Node, Tag
 
 # With Mode: Enable and no percentage given, this share of instance memory is used. The API model
 # allows 0..100; the HyperPod setup guide asks for 20..100; we default to its minimum.
@@ -319,6 +320,8 @@ class ClusterService:
                 tiered_storage=tiered,
                 extra=extra or {},
                 generation=1,
+                token=self.ids.token(),
+                bootstrap_token=self.ids.token(),
             )
             cluster.instance_groups = [
                 self._new_group(spec, i, restricted=False) for i, spec in enumerate(groups)
@@ -326,6 +329,15 @@ class ClusterService:
             session.add(cluster)
             for tag in tags or []:
                 session.add(Tag(resource_arn=cluster.arn, key=tag["Key"], value=tag["Value"]))
+            events.record(
+                session,
+                ids=self.ids,
+                now=now,
+                cluster=cluster,
+                description=f"Cluster creation started with "
+                f"{sum(g.target_count for g in cluster.instance_groups)} nodes in "
+                f"{len(cluster.instance_groups)} instance groups.",
+            )
         self.on_change()
         return cluster
 
@@ -434,6 +446,13 @@ class ClusterService:
             cluster.status = check_transition(cluster.status, ClusterStatus.UPDATING)
             cluster.generation += 1
             cluster.updated_time = self.clock.now()
+            events.record(
+                session,
+                ids=self.ids,
+                now=cluster.updated_time,
+                cluster=cluster,
+                description=f"Cluster update started; policy generation {cluster.generation}.",
+            )
         self.on_change()
         return cluster
 
@@ -449,6 +468,13 @@ class ClusterService:
             cluster.updated_time = self.clock.now()
             for group in cluster.instance_groups:
                 group.status = GroupStatus.DELETING
+            events.record(
+                session,
+                ids=self.ids,
+                now=cluster.updated_time,
+                cluster=cluster,
+                description="Cluster deletion started.",
+            )
         self.on_change()
         return cluster
 
@@ -579,8 +605,63 @@ class ClusterService:
                             group.target_count -= 1
                             group.spec = {**group.spec, "InstanceCount": group.target_count}
                         result.successful.append(key)
+                        events.record(
+                            session,
+                            ids=self.ids,
+                            now=self.clock.now(),
+                            cluster=cluster,
+                            node=node,
+                            description=f"Node {node.id} deleted by BatchDeleteClusterNodes.",
+                        )
+            if by_id.successful or by_logical.successful:
+                cluster.generation += 1  # the replica ring changed
         self.on_change()
         return by_id, by_logical
+
+    # ------------------------------------------------------------------ events
+
+    def list_cluster_events(
+        self,
+        *,
+        name: str,
+        instance_group_name: str | None = None,
+        node_id: str | None = None,
+        event_time_after: datetime | None = None,
+        event_time_before: datetime | None = None,
+        resource_type: str | None = None,
+        sort_order: str | None = None,
+        max_results: int | None = None,
+        next_token: str | None = None,
+    ) -> tuple[Cluster, Page[ClusterEvent]]:
+        with self.db.read() as session:
+            cluster = self._get(session, name)
+            query = select(ClusterEvent).where(ClusterEvent.cluster_id == cluster.id)
+            if instance_group_name:
+                query = query.where(ClusterEvent.instance_group_name == instance_group_name)
+            if node_id:
+                query = query.where(ClusterEvent.instance_id == node_id)
+            if event_time_after is not None:
+                query = query.where(ClusterEvent.event_time > event_time_after)
+            if event_time_before is not None:
+                query = query.where(ClusterEvent.event_time < event_time_before)
+            if resource_type:
+                query = query.where(ClusterEvent.resource_type == resource_type)
+            # Documented default: newest first.
+            if sort_order == "Ascending":
+                query = query.order_by(ClusterEvent.event_time.asc(), ClusterEvent.id.asc())
+            else:
+                query = query.order_by(ClusterEvent.event_time.desc(), ClusterEvent.id.desc())
+            found = list(session.scalars(query))
+        scope = f"events:{cluster.id}:{instance_group_name}:{node_id}:{resource_type}:{sort_order}"
+        return cluster, _paginate(found, max_results=max_results, token=next_token, scope=scope)
+
+    def describe_cluster_event(self, *, name: str, event_id: str) -> tuple[Cluster, ClusterEvent]:
+        with self.db.read() as session:
+            cluster = self._get(session, name)
+            event = session.get(ClusterEvent, event_id)
+            if event is None or event.cluster_id != cluster.id:
+                raise ResourceNotFound(f"Event '{event_id}' does not exist in cluster '{cluster.name}'.")
+            return cluster, event
 
     # ------------------------------------------------------------------ tags
 

@@ -72,3 +72,16 @@ def validation_error(errors: list[str]) -> ValidationException:
     count = len(errors)
     noun = "error" if count == 1 else "errors"
     return ValidationException(f"{count} validation {noun} detected: " + "; ".join(errors))
+
+
+class AgentProtocolError(Exception):
+    """An agent <-> control plane call refused (docs/agent-protocol.md); not an AWS error."""
+
+    def __init__(self, status: int, error: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error = error
+        self.message = message
+
+    def to_body(self) -> dict[str, str]:
+        return {"error": self.error, "message": self.message}

@@ -1,51 +1,70 @@
-"""The reconciler: drives clusters from their desired state (groups, target counts, status) to
-their observed state (nodes), and moves cluster status along the transition table.
+"""The reconciler: drives clusters from their desired state (groups, target counts, policy
+generation, status) to their observed state (nodes, agents, acknowledged generations).
 
 All of its state is in the database, so a restarted control plane picks up where the last one
-stopped. Each cluster is reconciled in its own transaction with the cluster row locked
-(``FOR UPDATE SKIP LOCKED`` on PostgreSQL), so two control planes on one database never work on
-the same cluster at once.
+stopped: pending launches, unacknowledged policy generations, push retries and their backoff.
+Each cluster is reconciled in its own transaction with the cluster row locked (``FOR UPDATE SKIP
+LOCKED`` on PostgreSQL). Policy pushes are claimed in that transaction (``push_claimed_until``)
+and sent afterwards, in parallel, outside any transaction; so two control planes on one database
+never work on the same cluster at once, nor push the same generation to the same node twice.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import Any
 
+import httpx
 from sqlalchemy import delete, or_, select
 from sqlalchemy.orm import Session, selectinload
 
+from domain import events
 from domain.clock import Clock, Ids
+from domain.events import Level
 from domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, check_transition
+from domain.policy import build_policy
+from domain.provisioning import Provisioner
 from models import Cluster, Database, InstanceGroup, Node, Tag
 
 log = logging.getLogger(__name__)
 
-
-class Provisioner(Protocol):
-    """What brings nodes up and down. Simulated here; real agent processes replace it later."""
-
-    def launch(self, node: Node, now: datetime) -> None: ...
-
-    def is_ready(self, node: Node, now: datetime) -> bool: ...
-
-    def terminate(self, node: Node) -> None: ...
+LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
 
 
-class SimulatedProvisioner:
-    """A node is Running once its ``ready_at`` has passed (the configured launch delay)."""
+@dataclass(frozen=True)
+class ReconcilerConfig:
+    interval_s: float
+    node_ready_delay_s: float
+    heartbeat_timeout_s: float
+    launch_timeout_s: float
+    memory_scale: float
+    push_workers: int
+    push_timeout_s: float
+    push_backoff_s: float
+    push_backoff_max_s: float
 
-    def launch(self, node: Node, now: datetime) -> None:
-        return None
 
-    def is_ready(self, node: Node, now: datetime) -> bool:
-        return now >= node.ready_at
+@dataclass(frozen=True)
+class Push:
+    """One policy push, claimed in a transaction and sent after it."""
 
-    def terminate(self, node: Node) -> None:
-        return None
+    node_id: str
+    endpoint: str
+    token: str
+    policy: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    node_id: str
+    generation: int
+    applied: int | None  # the generation the agent reports, or None on failure
+    error: str | None = None
+    permanent: bool = False
 
 
 @dataclass
@@ -53,10 +72,12 @@ class Outcome:
     """What one reconcile pass over one cluster did."""
 
     changed: bool = False
-    # Another pass right away can make progress (nodes to remove, a deletion under way).
+    # Another pass right away can make progress (nodes to remove, pushes answered, ...).
     again: bool = False
-    # The earliest time something is due (a pending node's ready time), to sleep until then.
+    # The earliest time something is due (a launch delay, a push retry, a heartbeat deadline).
     due: datetime | None = None
+    launches: list[str] = field(default_factory=list)
+    pushes: list[Push] = field(default_factory=list)
 
     def note_due(self, when: datetime) -> None:
         self.due = when if self.due is None else min(self.due, when)
@@ -70,22 +91,30 @@ class Reconciler:
         clock: Clock,
         ids: Ids,
         provisioner: Provisioner,
-        node_ready_delay_s: float,
-        interval_s: float,
+        config: ReconcilerConfig,
     ) -> None:
         self.db = db
         self.clock = clock
         self.ids = ids
         self.provisioner = provisioner
-        self.node_ready_delay_s = node_ready_delay_s
-        self.interval_s = interval_s
+        self.config = config
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._http: httpx.Client | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._adopted = False
 
     # ------------------------------------------------------------------ thread
 
     def start(self) -> None:
+        if self.provisioner.uses_agents:
+            workers = self.config.push_workers
+            self._http = httpx.Client(
+                timeout=self.config.push_timeout_s,
+                limits=httpx.Limits(max_connections=workers, max_keepalive_connections=workers),
+            )
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="policy-push")
         self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
         self._thread.start()
 
@@ -93,7 +122,11 @@ class Reconciler:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=30)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self._http is not None:
+            self._http.close()
 
     def wake(self) -> None:
         self._wake.set()
@@ -101,7 +134,7 @@ class Reconciler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
-            timeout = self.interval_s
+            timeout = self.config.interval_s
             try:
                 due = self.run_once()
                 if due is not None:
@@ -113,22 +146,29 @@ class Reconciler:
     # ------------------------------------------------------------------ passes
 
     def pending_cluster_ids(self) -> list[str]:
-        """Clusters with work to do: in a transitional status, or with nodes in transit."""
-        busy_nodes = select(Node.cluster_id).where(
-            Node.status.in_([NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN])
-        )
-        query = select(Cluster.id).where(
-            or_(
-                Cluster.status.in_([ClusterStatus.CREATING, ClusterStatus.UPDATING, ClusterStatus.DELETING]),
-                Cluster.id.in_(busy_nodes),
+        """Clusters with work to do. With agents, every cluster: heartbeats are watched always."""
+        query = select(Cluster.id)
+        if not self.provisioner.uses_agents:
+            busy_nodes = select(Node.cluster_id).where(
+                Node.status.in_([NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN])
             )
-        )
+            query = query.where(
+                or_(
+                    Cluster.status.in_(
+                        [ClusterStatus.CREATING, ClusterStatus.UPDATING, ClusterStatus.DELETING]
+                    ),
+                    Cluster.id.in_(busy_nodes),
+                )
+            )
         with self.db.read() as session:
             return list(session.scalars(query))
 
     def run_once(self) -> datetime | None:
         """Reconcile every cluster with work, pass after pass while one leaves more to do;
         return when something is next due."""
+        self.provisioner.reap()
+        if not self._adopted:
+            self._adopt_agents()
         due: datetime | None = None
         for cluster_id in self.pending_cluster_ids():
             for _ in range(100):  # a pass per status step; bounded in case of a bug
@@ -151,6 +191,12 @@ class Reconciler:
             if cluster is None:  # gone, or another control plane holds it
                 return outcome
             self._step(session, cluster, outcome)
+        if outcome.launches:
+            self._launch_agents(cluster_id, outcome.launches)
+            outcome.again = outcome.changed = True
+        if outcome.pushes:
+            self._record_pushes(cluster_id, self._send(outcome.pushes))
+            outcome.again = outcome.changed = True
         return outcome
 
     def _step(self, session: Session, cluster: Cluster, outcome: Outcome) -> None:
@@ -173,6 +219,9 @@ class Reconciler:
                 outcome.changed = True
             return
 
+        if self.provisioner.uses_agents:
+            self._detect_failures(session, cluster, now, outcome)
+
         live_by_group: dict[str, list[Node]] = {}
         for node in cluster.nodes:
             live_by_group.setdefault(node.group_name, []).append(node)
@@ -190,7 +239,7 @@ class Reconciler:
             outcome.changed = outcome.again = True
 
         # 3. Scale each group to its target, and bring pending nodes up, in the same pass: with
-        # no launch delay a new cluster goes Creating -> InService in one transaction.
+        # no launch delay a simulated cluster goes Creating -> InService in one transaction.
         converged = True
         for group in cluster.instance_groups:
             if group.status == GroupStatus.DELETING:
@@ -198,32 +247,40 @@ class Reconciler:
                 continue
             nodes = live_by_group.get(group.name, [])
             if len(nodes) < group.target_count:
-                launched = [self._launch(cluster, group, now) for _ in range(group.target_count - len(nodes))]
-                cluster.nodes.extend(launched)
+                launched = [
+                    self._new_node(session, cluster, group, now, outcome)
+                    for _ in range(group.target_count - len(nodes))
+                ]
                 nodes = nodes + launched
                 outcome.changed = True
             elif len(nodes) > group.target_count:
-                # Scale down: pending nodes first, then the newest.
+                # Scale down: failed nodes first, then pending ones, then the newest.
+                rank = {NodeStatus.FAILURE: 0, NodeStatus.PENDING: 1}
                 by_preference = sorted(
-                    nodes, key=lambda n: (n.status != NodeStatus.PENDING, -n.launch_time.timestamp())
+                    nodes, key=lambda n: (rank.get(NodeStatus(n.status), 2), -n.launch_time.timestamp())
                 )
                 surplus = len(nodes) - group.target_count
                 for node in by_preference[:surplus]:
                     node.status = NodeStatus.SHUTTING_DOWN
+                    events.record(
+                        session,
+                        ids=self.ids,
+                        now=now,
+                        cluster=cluster,
+                        node=node,
+                        description=f"Node {node.id} is shutting down (scale-down).",
+                    )
                 nodes = by_preference[surplus:]
                 outcome.changed = True
                 converged = False
             for node in nodes:
-                if node.status == NodeStatus.PENDING:
-                    if self.provisioner.is_ready(node, now):
-                        node.status = NodeStatus.RUNNING
-                        outcome.changed = True
-                    else:
-                        outcome.note_due(node.ready_at)
-                        converged = False
+                converged &= self._bring_up(session, cluster, node, now, outcome)
         if any(n.status == NodeStatus.SHUTTING_DOWN for n in cluster.nodes):
             converged = False
             outcome.again = True
+
+        if self.provisioner.uses_agents:
+            self._claim_pushes(cluster, now, outcome)
 
         # 4. Status follows convergence.
         if converged and cluster.status in (ClusterStatus.CREATING, ClusterStatus.UPDATING):
@@ -231,9 +288,99 @@ class Reconciler:
             cluster.updated_time = now
             for group in cluster.instance_groups:
                 group.status = GroupStatus.IN_SERVICE
+            running = sum(1 for n in cluster.nodes if n.status == NodeStatus.RUNNING)
+            description = f"Cluster is InService with {running} nodes"
+            if self.provisioner.uses_agents:
+                description += f"; policy generation {cluster.generation} applied on every node"
+            events.record(session, ids=self.ids, now=now, cluster=cluster, description=description + ".")
             outcome.changed = True
 
-    def _launch(self, cluster: Cluster, group: InstanceGroup, now: datetime) -> Node:
+    def _bring_up(
+        self, session: Session, cluster: Cluster, node: Node, now: datetime, outcome: Outcome
+    ) -> bool:
+        """Move a node towards Running; return whether it is Running with the current policy."""
+        if node.status == NodeStatus.FAILURE:
+            return False
+        if not self.provisioner.uses_agents:
+            if node.status == NodeStatus.PENDING:
+                if self.provisioner.is_ready(node, now):
+                    node.status = NodeStatus.RUNNING
+                    outcome.changed = True
+                else:
+                    outcome.note_due(node.ready_at)
+                    return False
+            return True
+        current = node.registered_at is not None and node.acked_generation >= cluster.generation
+        if node.status == NodeStatus.PENDING and current:
+            node.status = NodeStatus.RUNNING
+            events.record(
+                session,
+                ids=self.ids,
+                now=now,
+                cluster=cluster,
+                node=node,
+                description=f"Node {node.id} is Running (policy generation {cluster.generation}).",
+            )
+            outcome.changed = True
+        return node.status == NodeStatus.RUNNING and current
+
+    def _detect_failures(self, session: Session, cluster: Cluster, now: datetime, outcome: Outcome) -> None:
+        heartbeat_timeout = timedelta(seconds=self.config.heartbeat_timeout_s)
+        launch_timeout = timedelta(seconds=self.config.launch_timeout_s)
+        replaced = False
+        for node in list(cluster.nodes):
+            reason = None
+            if node.status in (NodeStatus.PENDING, NodeStatus.RUNNING):
+                if node.last_heartbeat is not None:
+                    deadline = node.last_heartbeat + heartbeat_timeout
+                    if now >= deadline:
+                        reason = f"no heartbeat from its agent for {self.config.heartbeat_timeout_s:g} s"
+                    else:
+                        outcome.note_due(deadline)
+                else:
+                    deadline = node.launch_time + launch_timeout
+                    if now >= deadline:
+                        reason = f"its agent did not register within {self.config.launch_timeout_s:g} s"
+                    else:
+                        outcome.note_due(deadline)
+            if reason is not None:
+                node.status = NodeStatus.FAILURE
+                node.status_message = f"Node failed: {reason}."
+                events.record(
+                    session,
+                    ids=self.ids,
+                    now=now,
+                    cluster=cluster,
+                    node=node,
+                    level=Level.ERROR,
+                    description=f"Node {node.id} failed: {reason}.",
+                )
+                outcome.changed = True
+            if node.status == NodeStatus.FAILURE and cluster.node_recovery == "Automatic":
+                group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
+                node.status = NodeStatus.SHUTTING_DOWN
+                if group is not None and group.status != GroupStatus.DELETING:
+                    replacement = self._new_node(session, cluster, group, now, outcome)
+                    events.record(
+                        session,
+                        ids=self.ids,
+                        now=now,
+                        cluster=cluster,
+                        node=node,
+                        level=Level.WARN,
+                        description=(
+                            f"Node {node.id} is replaced by {replacement.id} (NodeRecovery: Automatic)."
+                        ),
+                    )
+                replaced = True
+                outcome.changed = outcome.again = True
+        if replaced:
+            cluster.generation += 1  # the ring changed: every node's replica peers may have
+
+    def _new_node(
+        self, session: Session, cluster: Cluster, group: InstanceGroup, now: datetime, outcome: Outcome
+    ) -> Node:
+        """A Pending node in ``group``; its agent starts once the transaction has committed."""
         node_id = self.ids.node_id()
         node = Node(
             id=node_id,
@@ -244,8 +391,136 @@ class Reconciler:
             status=NodeStatus.PENDING,
             status_message=None,
             launch_time=now,
-            ready_at=now + timedelta(seconds=self.node_ready_delay_s),
+            ready_at=now + timedelta(seconds=self.config.node_ready_delay_s),
             private_ip=self.ids.private_ip(),
+            acked_generation=0,
+            push_attempts=0,
         )
-        self.provisioner.launch(node, now)
+        cluster.nodes.append(node)
+        events.record(
+            session,
+            ids=self.ids,
+            now=now,
+            cluster=cluster,
+            node=node,
+            description=f"Node {node.id} launched in group {group.name}.",
+        )
+        if self.provisioner.uses_agents:
+            outcome.launches.append(node.id)
         return node
+
+    # ------------------------------------------------------------------ agents
+
+    def _adopt_agents(self) -> None:
+        """At start: every live node should have an agent; start those that do not (the
+        machine rebooted, or a previous control plane stopped them)."""
+        self._adopted = True
+        if not self.provisioner.uses_agents:
+            return
+        with self.db.read() as session:
+            nodes = session.scalars(
+                select(Node).where(Node.status.in_([NodeStatus.PENDING, NodeStatus.RUNNING]))
+            ).all()
+            by_cluster: dict[str, list[str]] = {}
+            for node in nodes:
+                if not self.provisioner.is_running(node):
+                    by_cluster.setdefault(node.cluster_id, []).append(node.id)
+        for cluster_id, node_ids in by_cluster.items():
+            self._launch_agents(cluster_id, node_ids)
+
+    def _launch_agents(self, cluster_id: str, node_ids: list[str]) -> None:
+        """Start agents for committed nodes; a node whose agent cannot start fails."""
+        with self.db.write() as session:
+            cluster = session.get(Cluster, cluster_id)
+            if cluster is None:
+                return
+            now = self.clock.now()
+            for node in session.scalars(select(Node).where(Node.id.in_(node_ids))):
+                try:
+                    self.provisioner.launch(cluster, node)
+                except OSError as exc:
+                    node.status = NodeStatus.FAILURE
+                    node.status_message = f"Node failed: its agent could not start: {exc}."
+                    events.record(
+                        session,
+                        ids=self.ids,
+                        now=now,
+                        cluster=cluster,
+                        node=node,
+                        level=Level.ERROR,
+                        description=node.status_message,
+                    )
+
+    def _claim_pushes(self, cluster: Cluster, now: datetime, outcome: Outcome) -> None:
+        members = [n for n in cluster.nodes if n.status in LIVE]
+        lease = timedelta(seconds=self.config.push_timeout_s * 2)
+        for node in cluster.nodes:
+            if (
+                node.status not in (NodeStatus.PENDING, NodeStatus.RUNNING)
+                or node.endpoint is None
+                or node.acked_generation >= cluster.generation
+            ):
+                continue
+            if node.push_claimed_until is not None and node.push_claimed_until > now:
+                outcome.note_due(node.push_claimed_until)
+                continue  # another control plane (or an earlier pass) is pushing it
+            if node.next_push_at is not None and node.next_push_at > now:
+                outcome.note_due(node.next_push_at)
+                continue
+            node.push_claimed_until = now + lease
+            policy = build_policy(cluster, node, members, memory_scale=self.config.memory_scale)
+            outcome.pushes.append(Push(node.id, node.endpoint, cluster.token, policy))
+
+    def _push_one(self, push: Push) -> PushResult:
+        assert self._http is not None
+        generation = int(push.policy["generation"])
+        try:
+            response = self._http.put(
+                f"{push.endpoint}/v1/policy",
+                json=push.policy,
+                headers={"Authorization": f"Bearer {push.token}"},
+            )
+        except httpx.HTTPError as exc:
+            return PushResult(push.node_id, generation, None, f"{type(exc).__name__}: {exc}")
+        if response.status_code == 200:
+            return PushResult(push.node_id, generation, int(response.json()["applied_generation"]))
+        if response.status_code == 409:  # the agent already has a newer one
+            return PushResult(push.node_id, generation, int(response.json()["applied_generation"]))
+        permanent = 400 <= response.status_code < 500
+        return PushResult(
+            push.node_id, generation, None, f"HTTP {response.status_code}: {response.text[:200]}", permanent
+        )
+
+    def _send(self, pushes: list[Push]) -> list[PushResult]:
+        assert self._pool is not None
+        return list(self._pool.map(self._push_one, pushes))
+
+    def _record_pushes(self, cluster_id: str, results: list[PushResult]) -> None:
+        now = self.clock.now()
+        with self.db.write() as session:
+            nodes = {
+                n.id: n
+                for n in session.scalars(select(Node).where(Node.id.in_([r.node_id for r in results])))
+            }
+            for result in results:
+                node = nodes.get(result.node_id)
+                if node is None:
+                    continue
+                node.push_claimed_until = None
+                if result.applied is not None:
+                    node.acked_generation = max(node.acked_generation, min(result.applied, result.generation))
+                    node.push_attempts = 0
+                    node.next_push_at = None
+                    node.last_error = None
+                    continue
+                node.push_attempts += 1
+                if result.permanent:
+                    delay = self.config.push_backoff_max_s
+                else:
+                    delay = min(
+                        self.config.push_backoff_s * 2 ** (node.push_attempts - 1),
+                        self.config.push_backoff_max_s,
+                    )
+                node.next_push_at = now + timedelta(seconds=delay)
+                node.last_error = f"policy push of generation {result.generation} failed: {result.error}"
+                log.info("push to %s failed (attempt %d): %s", node.id, node.push_attempts, result.error)

@@ -34,6 +34,51 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+_AGENT_FLAGS = (
+    "control_plane",
+    "cluster",
+    "token",
+    "node_id",
+    "host",
+    "port",
+    "advertise_host",
+    "data_dir",
+    "instance_type",
+    "heartbeat_interval_s",
+    "memory_bytes",
+    "log_level",
+)
+
+
+def _agent_flag(loc: tuple[int | str, ...]) -> str:
+    name = str(loc[0]) if loc else "settings"
+    if name.startswith("HPSIM_AGENT_"):  # an alias: the environment variable itself
+        name = name.removeprefix("HPSIM_AGENT_").lower()
+    if name not in _AGENT_FLAGS and f"{name}_s" not in _AGENT_FLAGS:
+        return f"HPSIM_AGENT_{name.upper()}"  # a setting without a flag
+    name = name.removesuffix("_s") if name == "heartbeat_interval_s" else name
+    return f"--{name.replace('_', '-')} (HPSIM_AGENT_{name.upper()})"
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from agents.config import AgentSettings
+    from agents.main import run
+
+    # Flags win over HPSIM_AGENT_* variables: only the flags given are passed on.
+    overrides = {name: getattr(args, name) for name in _AGENT_FLAGS if getattr(args, name) is not None}
+    try:
+        settings = AgentSettings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{_agent_flag(error['loc'])}: {error['msg']}" for error in exc.errors(include_url=False)
+        )
+        print(f"hyperpod-sim agent: invalid settings: {problems}", file=sys.stderr)
+        return 2
+    return run(settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyperpod-sim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +95,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", help="directory for local state (default .hyperpod-sim)")
     serve.add_argument("--log-level", default="warning", help="uvicorn log level")
     serve.set_defaults(func=_serve)
+
+    agent = sub.add_parser(
+        "agent",
+        help="run a node agent",
+        description="Run a node agent (docs/agent-protocol.md). Every flag can also be set by "
+        "environment: HPSIM_AGENT_CONTROL_PLANE, HPSIM_AGENT_CLUSTER, HPSIM_AGENT_TOKEN, "
+        "HPSIM_AGENT_NODE_ID, ... (the flag's name, upper case, after HPSIM_AGENT_).",
+    )
+    agent.add_argument("--control-plane", help="control plane URL, e.g. http://127.0.0.1:8080")
+    agent.add_argument("--cluster", help="cluster name")
+    agent.add_argument("--token", help="cluster token with --node-id, bootstrap token without")
+    agent.add_argument("--node-id", help="this node's id (without it, the control plane assigns one)")
+    agent.add_argument("--host", help="address the agent API listens on (default 127.0.0.1)")
+    agent.add_argument("--port", type=int, help="port of the agent API (default 0: any free port)")
+    agent.add_argument("--advertise-host", help="host to reach this agent at (default: --host)")
+    agent.add_argument("--data-dir", help="directory for this node's local state")
+    agent.add_argument("--instance-type", help="instance type reported at registration")
+    agent.add_argument(
+        "--heartbeat-interval",
+        dest="heartbeat_interval_s",
+        type=float,
+        help="seconds between heartbeats (default 1.0, or what the control plane answers)",
+    )
+    agent.add_argument(
+        "--memory-bytes", type=int, help="memory reported at registration (default: this machine's)"
+    )
+    agent.add_argument("--log-level", help="logging level (default warning)")
+    agent.set_defaults(func=_agent)
     return parser
 
 

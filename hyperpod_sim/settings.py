@@ -5,8 +5,10 @@ Nested groups use a double underscore: ``HPSIM_DATABASE__URL``, ``HPSIM_PROVISIO
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -20,10 +22,38 @@ class DatabaseSettings(BaseModel):
 
 
 class ProvisioningSettings(BaseModel):
+    mode: Literal["local", "external", "simulated"] = Field(
+        default="local",
+        description="local: the control plane starts one agent process per node on this machine. "
+        "external: agents started elsewhere register with the cluster's bootstrap token. "
+        "simulated: no agents; nodes are Running after node_ready_delay_s (API-only use).",
+    )
     node_ready_delay_s: float = Field(
         default=2.0,
         ge=0,
-        description="Simulated time from a node's launch to Running. Zero in tests.",
+        description="simulated mode: time from a node's launch to Running.",
+    )
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, description="How often agents heartbeat.")
+    heartbeat_timeout_s: float = Field(
+        default=10.0, gt=0, description="A Running node whose agent is silent this long has failed."
+    )
+    launch_timeout_s: float = Field(
+        default=120.0, gt=0, description="A node whose agent has not registered by then has failed."
+    )
+    agent_command: list[str] = Field(
+        default_factory=lambda: [sys.executable, "-m", "hyperpod_sim", "agent"],
+        description="local mode: the command that starts an agent (flags are appended).",
+    )
+
+
+class SimulationSettings(BaseModel):
+    memory_scale: float = Field(
+        default=1 / 1024,
+        gt=0,
+        le=1,
+        description="Factor from an instance type's real memory to the memory an agent may hold "
+        "on this machine: 1/1024 makes a GiB of instance memory a MiB here, so a many-node cluster "
+        "of big instances fits on one small machine.",
     )
 
 
@@ -39,6 +69,10 @@ class LimitSettings(BaseModel):
 
 class ReconcilerSettings(BaseModel):
     interval_s: float = Field(default=1.0, gt=0, description="Periodic re-sync interval.")
+    push_workers: int = Field(default=64, ge=1, description="Policy pushes in parallel.")
+    push_timeout_s: float = Field(default=5.0, gt=0, description="Timeout of one policy push.")
+    push_backoff_s: float = Field(default=0.2, gt=0, description="First retry delay of a failed push.")
+    push_backoff_max_s: float = Field(default=10.0, gt=0, description="Largest retry delay.")
 
 
 class Settings(BaseSettings):
@@ -53,6 +87,18 @@ class Settings(BaseSettings):
     provisioning: ProvisioningSettings = ProvisioningSettings()
     limits: LimitSettings = LimitSettings()
     reconciler: ReconcilerSettings = ReconcilerSettings()
+    simulation: SimulationSettings = SimulationSettings()
+    public_url: str | None = Field(
+        default=None,
+        description="How agents reach the control plane. Default: http://{host}:{port} "
+        "(127.0.0.1 when listening on all addresses).",
+    )
+
+    def control_plane_url(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
 
     def database_url(self) -> str:
         if self.database.url:

@@ -1,6 +1,6 @@
 """Persistence only: SQLAlchemy tables and the engine/session factory."""
 
 from models.db import Database
-from models.tables import Base, Cluster, InstanceGroup, Node, Tag
+from models.tables import Base, Cluster, ClusterEvent, InstanceGroup, Node, Tag
 
-__all__ = ["Base", "Cluster", "Database", "InstanceGroup", "Node", "Tag"]
+__all__ = ["Base", "Cluster", "ClusterEvent", "Database", "InstanceGroup", "Node", "Tag"]

@@ -56,6 +56,9 @@ class Cluster(Base):
     extra: Mapped[dict[str, Any]]
     # Bumped by every change of the desired state; the reconciler works until it is observed.
     generation: Mapped[int] = mapped_column(Integer, default=1)
+    # Agent <-> control plane secrets (docs/agent-protocol.md).
+    token: Mapped[str] = mapped_column(String(64))
+    bootstrap_token: Mapped[str] = mapped_column(String(64))
 
     instance_groups: Mapped[list[InstanceGroup]] = relationship(
         back_populates="cluster",
@@ -98,8 +101,34 @@ class Node(Base):
     launch_time: Mapped[datetime]
     ready_at: Mapped[datetime]
     private_ip: Mapped[str] = mapped_column(String(15))
+    # The node's agent, as it registered and last reported.
+    endpoint: Mapped[str | None] = mapped_column(String(256))
+    pid: Mapped[int | None]
+    registered_at: Mapped[datetime | None]
+    last_heartbeat: Mapped[datetime | None]
+    acked_generation: Mapped[int] = mapped_column(Integer, default=0)
+    # Policy push bookkeeping, persisted so a restarted control plane resumes retries.
+    push_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_push_at: Mapped[datetime | None]
+    push_claimed_until: Mapped[datetime | None]
+    last_error: Mapped[str | None] = mapped_column(Text)
 
     cluster: Mapped[Cluster] = relationship(back_populates="nodes")
+
+
+class ClusterEvent(Base):
+    __tablename__ = "cluster_events"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    cluster_id: Mapped[str] = mapped_column(
+        ForeignKey("clusters.id", ondelete="CASCADE"), index=True
+    )
+    resource_type: Mapped[str] = mapped_column(String(16))
+    instance_group_name: Mapped[str | None] = mapped_column(String(63))
+    instance_id: Mapped[str | None] = mapped_column(String(19))
+    event_time: Mapped[datetime] = mapped_column(index=True)
+    level: Mapped[str] = mapped_column(String(8))
+    description: Mapped[str] = mapped_column(Text)
 
 
 class Tag(Base):

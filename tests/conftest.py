@@ -173,9 +173,10 @@ def settings_overrides() -> dict[str, Any]:
 def control_plane(
     database_url: str, tmp_path: Path, settings_overrides: dict[str, Any]
 ) -> Iterator[ControlPlane]:
-    """A control plane whose nodes launch with a 60 s delay on a manual clock: clusters stay
-    Creating/Updating until the test advances the clock (``cp.advance(60)``)."""
-    overrides = {"provisioning": {"node_ready_delay_s": 60}, **settings_overrides}
+    """A control plane with simulated nodes (no agent processes) that launch with a 60 s delay on
+    a manual clock: clusters stay Creating/Updating until the test advances the clock
+    (``cp.advance(60)``, ``cp.settle(...)``). For the AWS surface; agents have their own tests."""
+    overrides = {"provisioning": {"mode": "simulated", "node_ready_delay_s": 60}, **settings_overrides}
     settings = make_settings(database_url, tmp_path / "data", **overrides)
     clock = ManualClock()
     app = create_app(settings, clock=clock)
@@ -240,11 +241,13 @@ def wait_gone(sm: Any, name: str, *, timeout: float = 30) -> None:
 class ServerProcess:
     """``hyperpod-sim serve`` as a real process, for tests that kill and restart it."""
 
-    def __init__(self, database_url: str, data_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, database_url: str, data_dir: Path, env: dict[str, str] | None = None, port: int | None = None
+    ) -> None:
         self.database_url = database_url
         self.data_dir = data_dir
         self.env = {**os.environ, **(env or {})}
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -302,3 +305,57 @@ class ServerProcess:
             aws_secret_access_key="testing",
             config=Config(retries={"max_attempts": 1}),
         )
+
+
+def kill_processes_under(path: Path) -> None:
+    """Kill every process whose command line mentions ``path`` (agents a test started)."""
+    marker = str(path).encode()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                if marker not in handle.read():
+                    continue
+            os.kill(int(entry.name), 9)
+        except (OSError, ProcessLookupError):
+            continue
+
+
+@pytest.fixture
+def agent_settings() -> dict[str, Any]:
+    """Override in a test module to change the agent control plane's settings."""
+    return {}
+
+
+@pytest.fixture
+def agent_plane(database_url: str, tmp_path: Path, agent_settings: dict[str, Any]) -> Iterator[ControlPlane]:
+    """A control plane whose nodes are real agent processes on loopback ports (local provisioner),
+    on the real clock, with short heartbeat intervals so failures show within seconds."""
+    port = free_port()
+    provisioning = {
+        "mode": "local",
+        "heartbeat_interval_s": 0.2,
+        "heartbeat_timeout_s": 3.0,
+        "launch_timeout_s": 60.0,
+        **agent_settings.pop("provisioning", {}),
+    }
+    settings = make_settings(
+        database_url,
+        tmp_path / "data",
+        port=port,
+        provisioning=provisioning,
+        reconciler={"interval_s": 0.2},
+        **agent_settings,
+    )
+    app = create_app(settings)
+    try:
+        with ServerThread(app, port):
+            yield ControlPlane(
+                url=f"http://127.0.0.1:{port}",
+                services=app.state.services,
+                clock=ManualClock(),  # unused: this control plane runs on the real clock
+                database_url=database_url,
+            )
+    finally:
+        kill_processes_under(tmp_path)

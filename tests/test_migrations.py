@@ -15,7 +15,7 @@ from sqlalchemy import inspect, select, text
 from models import Base, Cluster, Database
 from models.db import alembic_config
 
-TABLES = {"clusters", "instance_groups", "nodes", "tags"}
+TABLES = {"cluster_events", "clusters", "instance_groups", "nodes", "tags"}
 
 
 @pytest.fixture
@@ -61,6 +61,8 @@ def add_cluster(db: Database, name: str) -> None:
                 updated_time=now,
                 node_recovery="Automatic",
                 extra={},
+                token="t" * 64,
+                bootstrap_token="b" * 64,
             )
         )
 

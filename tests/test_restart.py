@@ -9,7 +9,7 @@ from tests.conftest import ServerProcess, group, wait_for
 
 def test_creating_cluster_finishes_after_restart(database_url: str, tmp_path: Path) -> None:
     # Real time here: nodes take 2 s to launch, and the service is killed before they do.
-    env = {"HPSIM_PROVISIONING__NODE_READY_DELAY_S": "2"}
+    env = {"HPSIM_PROVISIONING__MODE": "simulated", "HPSIM_PROVISIONING__NODE_READY_DELAY_S": "2"}
     first = ServerProcess(database_url, tmp_path, env).start()
     try:
         sm = first.client()

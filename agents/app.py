@@ -1,0 +1,83 @@
+"""The agent's admin API (``docs/agent-protocol.md``, "Agent API")."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+
+from agents.httpserver import Request, Response, error_response, json_response
+from agents.metrics import CONTENT_TYPE, agent_metrics, render
+from agents.state import AgentState, ApplyStatus, AuthStatus
+
+_BEARER = (("WWW-Authenticate", 'Bearer realm="hyperpod-sim-agent"'),)
+
+
+class AgentApp:
+    def __init__(self, *, state: AgentState) -> None:
+        self._state = state
+        self._routes: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {
+            "/health": {"GET": self.health},
+            "/v1/policy": {"GET": self.get_policy, "PUT": self.put_policy},
+            "/metrics": {"GET": self.metrics},
+        }
+
+    async def __call__(self, request: Request) -> Response:
+        methods = self._routes.get(request.path.rstrip("/") or "/")
+        if methods is None:
+            return error_response(404, "NotFound", f"no route {request.path}")
+        handler = methods.get(request.method)
+        if handler is None:
+            allowed = ", ".join(methods)
+            return error_response(
+                405,
+                "MethodNotAllowed",
+                f"{request.method} is not allowed on {request.path}; allowed: {allowed}",
+                headers=(("Allow", allowed),),
+            )
+        return await handler(request)
+
+    async def health(self, request: Request) -> Response:
+        state = self._state
+        return json_response(
+            200,
+            {
+                "status": "ok",
+                "node_id": state.node_id,
+                "cluster": state.cluster,
+                "registered": state.registered,
+                "applied_generation": state.applied_generation,
+            },
+        )
+
+    async def get_policy(self, request: Request) -> Response:
+        return json_response(200, self._state.policy or {"generation": 0})
+
+    async def put_policy(self, request: Request) -> Response:
+        state = self._state
+        auth = state.check_token(request.headers.get("authorization"))
+        if auth is AuthStatus.MISSING:
+            message = "missing or malformed Authorization header; expected 'Bearer <cluster token>'"
+            return error_response(401, "MissingToken", message, headers=_BEARER)
+        if auth is AuthStatus.NOT_REGISTERED:
+            message = "the agent is not registered yet: it does not know the cluster token to check"
+            return error_response(401, "NotRegistered", message, headers=_BEARER)
+        if auth is AuthStatus.WRONG:
+            return error_response(
+                403, "InvalidToken", f"the token is not the cluster token of {state.cluster}"
+            )
+        try:
+            doc = json.loads(request.body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return error_response(400, "InvalidPolicy", f"the body is not JSON: {exc}")
+        outcome = state.apply_policy(doc)
+        if outcome.status is ApplyStatus.INVALID:
+            return error_response(400, "InvalidPolicy", outcome.message)
+        if outcome.status is ApplyStatus.STALE:
+            return error_response(
+                409, "StaleGeneration", outcome.message, applied_generation=outcome.applied_generation
+            )
+        return json_response(200, {"applied_generation": outcome.applied_generation})
+
+    async def metrics(self, request: Request) -> Response:
+        body = render(agent_metrics(self._state)).encode()
+        return Response(status=200, body=body, content_type=CONTENT_TYPE)

@@ -1,0 +1,100 @@
+"""Settings of a node agent, from flags and ``HPSIM_AGENT_*`` environment variables.
+
+Each flag of ``hyperpod-sim agent`` has an environment variable named after it:
+``--control-plane`` is ``HPSIM_AGENT_CONTROL_PLANE``, ``--heartbeat-interval`` is
+``HPSIM_AGENT_HEARTBEAT_INTERVAL`` (``HPSIM_AGENT_HEARTBEAT_INTERVAL_S`` works too). Flags win over
+the environment. The retry knobs have no flag: they are for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HPSIM_AGENT_", extra="ignore", validate_by_name=True)
+
+    control_plane: str = Field(description="Base URL of the control plane, e.g. http://127.0.0.1:8080.")
+    cluster: str = Field(min_length=1, description="Name of the cluster this node belongs to.")
+    token: SecretStr = Field(
+        description="The cluster token with --node-id; the cluster's bootstrap token without it."
+    )
+    node_id: str | None = Field(
+        default=None,
+        description="This node's id (the local provisioner passes it). Without it the control plane "
+        "binds the agent to a pending node slot and answers its id.",
+    )
+    host: str = Field(default="127.0.0.1", description="Address the agent API listens on.")
+    port: int = Field(default=0, ge=0, le=65535, description="Port of the agent API; 0: any free port.")
+    advertise_host: str | None = Field(
+        default=None,
+        description="Host the control plane and peers reach this agent at. Default: --host "
+        "(loopback when --host is a wildcard address).",
+    )
+    data_dir: Path | None = Field(default=None, description="Directory for this node's local state.")
+    instance_type: str | None = Field(default=None, description="Instance type reported at registration.")
+    memory_bytes: int | None = Field(
+        default=None, ge=0, description="Memory reported at registration. Default: this machine's."
+    )
+    heartbeat_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        validation_alias=AliasChoices("HPSIM_AGENT_HEARTBEAT_INTERVAL", "HPSIM_AGENT_HEARTBEAT_INTERVAL_S"),
+        description="Seconds between heartbeats. When not set explicitly, the interval the control "
+        "plane answers at registration is used.",
+    )
+    log_level: str = Field(default="warning", description="Python logging level of the agent.")
+
+    # Retry knobs (environment only).
+    register_backoff_initial_s: float = Field(
+        default=0.1, gt=0, description="First delay after a temporary failure (connect error, 5xx)."
+    )
+    register_backoff_max_s: float = Field(
+        default=2.0, gt=0, description="Cap of the exponential backoff after temporary failures."
+    )
+    permanent_retry_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Delay between tries after a permanent refusal (401/403, unknown cluster, ...).",
+    )
+    request_timeout_s: float = Field(default=5.0, gt=0, description="Timeout of one control plane call.")
+
+    @field_validator("control_plane")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        value = value.strip().rstrip("/")
+        if not value.startswith(("http://", "https://")) or value.endswith("://"):
+            raise ValueError(f"control plane URL must be http:// or https:// with a host, got {value!r}")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        value = value.strip().upper()
+        if value not in {"CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"}:
+            raise ValueError("log level must be one of critical, error, warning, info, debug")
+        return value
+
+    @property
+    def heartbeat_interval_explicit(self) -> bool:
+        """Whether the interval came from a flag or the environment (then the control plane's
+        suggestion at registration does not override it)."""
+        return "heartbeat_interval_s" in self.model_fields_set
+
+    def advertised_host(self) -> str:
+        host = self.advertise_host or _WILDCARDS.get(self.host, self.host)
+        try:
+            is_v6 = ipaddress.ip_address(host).version == 6
+        except ValueError:
+            is_v6 = False
+        return f"[{host}]" if is_v6 else host
+
+    def endpoint(self, port: int) -> str:
+        """The URL this agent's API is reached at, once its port is known."""
+        return f"http://{self.advertised_host()}:{port}"

@@ -1,0 +1,139 @@
+"""Run a node agent: the admin API and the control plane loop on one event loop.
+
+``run(settings)`` is what ``hyperpod-sim agent`` calls. It binds the listening socket itself (so the
+endpoint it registers carries the real port when ``--port 0``), serves the API at once, registers,
+heartbeats, and returns the process exit code: 0 on SIGTERM/SIGINT or when the control plane says the
+node was deleted, 1 when the agent cannot listen or fails unexpectedly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+
+from agents.app import AgentApp
+from agents.config import AgentSettings
+from agents.control_plane import ControlPlaneClient
+from agents.httpserver import HttpServer
+from agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
+from agents.state import AgentState
+
+log = logging.getLogger("agents")
+
+
+def run(settings: AgentSettings) -> int:
+    """Run the agent until it is told to stop; the process exit code."""
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s agent %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        sock = bind(host=settings.host, port=settings.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%s: %s", settings.host, settings.port, exc)
+        return 1
+    try:
+        return asyncio.run(serve(settings=settings, sock=sock))
+    except Exception:
+        log.exception("the agent failed")
+        return 1
+    finally:
+        sock.close()
+
+
+def bind(*, host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port`` (port 0: a free one, read back with getsockname)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def machine_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
+    """Serve on ``sock`` (bound, not yet listening) until stopped; the exit code."""
+    local_mode = settings.node_id is not None
+    state = AgentState(
+        cluster=settings.cluster,
+        node_id=settings.node_id,
+        # With a node id the token is the cluster token; without, only registration tells it.
+        cluster_token=settings.token if local_mode else None,
+    )
+    server = HttpServer(handler=AgentApp(state=state), sock=sock)
+    await server.start()
+    port: int = sock.getsockname()[1]
+    endpoint = settings.endpoint(port)
+    print(
+        f"hyperpod-sim agent on {endpoint} (cluster {settings.cluster}, "
+        f"node {settings.node_id or 'assigned at registration'}, pid {os.getpid()})",
+        flush=True,
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for signum in signals:
+        loop.add_signal_handler(signum, stop.set)
+
+    client = ControlPlaneClient(
+        base_url=settings.control_plane, cluster=settings.cluster, timeout_s=settings.request_timeout_s
+    )
+    memory_bytes = settings.memory_bytes if settings.memory_bytes is not None else machine_memory_bytes()
+    agent_loop = AgentLoop(
+        state=state,
+        client=client,
+        identity=Identity(
+            endpoint=endpoint,
+            pid=os.getpid(),
+            instance_type=settings.instance_type,
+            memory_bytes=memory_bytes,
+        ),
+        token=settings.token,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        adopt_control_plane_interval=not settings.heartbeat_interval_explicit,
+        backoff=Backoff(initial_s=settings.register_backoff_initial_s, max_s=settings.register_backoff_max_s),
+        permanent_retry_s=settings.permanent_retry_s,
+    )
+    loop_task = asyncio.create_task(agent_loop.run(), name="agent-loop")
+    stop_task = asyncio.create_task(stop.wait(), name="agent-stop")
+    exit_code = 0
+    try:
+        await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if loop_task.done():
+            if loop_task.cancelled() or loop_task.exception() is not None:
+                log.error("the control plane loop ended unexpectedly", exc_info=loop_task.exception())
+                exit_code = 1
+            elif loop_task.result() is LoopOutcome.NODE_DELETED:
+                log.warning("node %s was deleted: stopping", state.node_id)
+        else:
+            log.info("signal received: stopping")
+    finally:
+        for task in (loop_task, stop_task):
+            task.cancel()
+        await asyncio.gather(loop_task, stop_task, return_exceptions=True)
+        await server.close()
+        await client.aclose()
+        for signum in signals:
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(signum)
+    return exit_code

@@ -1,0 +1,94 @@
+"""A tiny renderer of the Prometheus text exposition format (version 0.0.4), enough for the agent's
+handful of unlabelled gauges and counters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from agents.state import AgentState
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Metric:
+    name: str
+    kind: Literal["gauge", "counter"]
+    help: str
+    value: float
+
+
+def _format_value(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def render(metrics: Iterable[Metric]) -> str:
+    lines: list[str] = []
+    for metric in metrics:
+        lines.append(f"# HELP {metric.name} {_escape_help(metric.help)}")
+        lines.append(f"# TYPE {metric.name} {metric.kind}")
+        lines.append(f"{metric.name} {_format_value(metric.value)}")
+    return "\n".join(lines) + "\n"
+
+
+def agent_metrics(state: AgentState) -> list[Metric]:
+    counters = state.counters
+    return [
+        Metric(
+            name="hpsim_agent_policy_generation",
+            kind="gauge",
+            help="Generation of the policy document in force on this node (0: none yet).",
+            value=state.applied_generation,
+        ),
+        Metric(
+            name="hpsim_agent_memory_budget_bytes",
+            kind="gauge",
+            help="Memory budget of the in-memory checkpoint tier, from the policy in force.",
+            value=state.memory_budget_bytes,
+        ),
+        Metric(
+            name="hpsim_agent_tiered_storage_enabled",
+            kind="gauge",
+            help="1 when the policy in force enables tiered storage.",
+            value=int(state.tiered_storage_enabled),
+        ),
+        Metric(
+            name="hpsim_agent_registered",
+            kind="gauge",
+            help="1 once the agent has registered with the control plane.",
+            value=int(state.registered),
+        ),
+        Metric(
+            name="hpsim_agent_heartbeats_total",
+            kind="counter",
+            help="Heartbeats the control plane answered.",
+            value=counters.heartbeats_total,
+        ),
+        Metric(
+            name="hpsim_agent_heartbeat_failures_total",
+            kind="counter",
+            help="Failed calls to the control plane (registration, heartbeat and policy pull).",
+            value=counters.heartbeat_failures_total,
+        ),
+        Metric(
+            name="hpsim_agent_policy_applies_total",
+            kind="counter",
+            help="Policy documents applied (a new generation in force).",
+            value=counters.policy_applies_total,
+        ),
+    ]

@@ -1,0 +1,141 @@
+"""What a node agent knows: who it is, its tokens, the policy it applied, its counters.
+
+Everything here runs on the agent's one event loop, without awaiting: each method is atomic with
+respect to the HTTP handlers and the control plane loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import SecretStr
+
+PolicyDocument = dict[str, Any]
+# Called after a policy is applied, with the previous document (None before the first) and the new one.
+PolicyListener = Callable[[PolicyDocument | None, PolicyDocument], None]
+
+
+class ApplyStatus(enum.Enum):
+    APPLIED = "applied"  # a newer generation: now in force
+    UNCHANGED = "unchanged"  # the generation in force again: nothing done
+    STALE = "stale"  # older than the generation in force: refused
+    INVALID = "invalid"  # not a policy document: refused
+
+
+@dataclass(frozen=True)
+class ApplyOutcome:
+    status: ApplyStatus
+    applied_generation: int
+    message: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return self.status in (ApplyStatus.APPLIED, ApplyStatus.UNCHANGED)
+
+
+class AuthStatus(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"  # no or malformed Authorization header: 401
+    NOT_REGISTERED = "not_registered"  # no cluster token known yet (external mode): 401
+    WRONG = "wrong"  # a token, not the cluster's: 403
+
+
+@dataclass
+class Counters:
+    heartbeats_total: int = 0
+    heartbeat_failures_total: int = 0
+    policy_applies_total: int = 0
+
+
+@dataclass(kw_only=True)
+class AgentState:
+    cluster: str
+    node_id: str | None = None
+    cluster_token: SecretStr | None = None
+    registered: bool = False
+    policy: PolicyDocument | None = None
+    counters: Counters = field(default_factory=Counters)
+    listeners: list[PolicyListener] = field(default_factory=list)
+
+    @property
+    def applied_generation(self) -> int:
+        return int(self.policy["generation"]) if self.policy else 0
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return int(self.policy.get("memory_budget_bytes") or 0) if self.policy else 0
+
+    @property
+    def tiered_storage_enabled(self) -> bool:
+        if not self.policy:
+            return False
+        tiered = self.policy.get("tiered_storage") or {}
+        return bool(tiered.get("enabled", False))
+
+    def mark_registered(self, *, node_id: str, cluster_token: SecretStr) -> None:
+        self.node_id = node_id
+        self.cluster_token = cluster_token
+        self.registered = True
+
+    def check_token(self, authorization: str | None) -> AuthStatus:
+        """Check an ``Authorization: Bearer <cluster token>`` header, in constant time."""
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return AuthStatus.MISSING
+        if self.cluster_token is None:
+            return AuthStatus.NOT_REGISTERED
+        expected = self.cluster_token.get_secret_value().encode()
+        return AuthStatus.OK if hmac.compare_digest(token.encode(), expected) else AuthStatus.WRONG
+
+    def apply_policy(self, doc: object) -> ApplyOutcome:
+        """Apply a policy document: newer generations replace the one in force, the same generation
+        is a no-op, older ones are refused. Listeners (the checkpoint tiers) see every change."""
+        problem = self._validate(doc)
+        if problem is not None:
+            return ApplyOutcome(ApplyStatus.INVALID, self.applied_generation, problem)
+        assert isinstance(doc, dict)
+        generation: int = doc["generation"]
+        current = self.applied_generation
+        if generation < current:
+            return ApplyOutcome(
+                ApplyStatus.STALE,
+                current,
+                f"generation {generation} is older than the applied generation {current}",
+            )
+        if generation == current:
+            return ApplyOutcome(ApplyStatus.UNCHANGED, current, f"generation {current} is already applied")
+        previous, self.policy = self.policy, dict(doc)
+        self.counters.policy_applies_total += 1
+        for listener in self.listeners:
+            listener(previous, self.policy)
+        return ApplyOutcome(ApplyStatus.APPLIED, generation, f"applied generation {generation}")
+
+    def _validate(self, doc: object) -> str | None:
+        if not isinstance(doc, dict):
+            return f"a policy document must be a JSON object, got {_json_type(doc)}"
+        generation = doc.get("generation")
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+            return f"'generation' must be an integer >= 1, got {generation!r}"
+        budget = doc.get("memory_budget_bytes")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            return f"'memory_budget_bytes' must be an integer >= 0, got {budget!r}"
+        tiered = doc.get("tiered_storage")
+        if tiered is not None and (
+            not isinstance(tiered, dict) or not isinstance(tiered.get("enabled", False), bool)
+        ):
+            return f"'tiered_storage' must be an object with a boolean 'enabled', got {tiered!r}"
+        for key, mine in (("node_id", self.node_id), ("cluster_name", self.cluster)):
+            theirs = doc.get(key)
+            if theirs is not None and mine is not None and theirs != mine:
+                return f"the policy is for {key} {theirs!r}, this agent's {key} is {mine!r}"
+        return None
+
+
+def _json_type(value: object) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)

@@ -1,0 +1,100 @@
+"""The control plane's routes for node agents (docs/agent-protocol.md), under ``/agent/v1``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from api.deps import ServicesDep
+from domain.errors import AgentProtocolError
+
+router = APIRouter(prefix="/agent/v1", tags=["agents"])
+
+
+class Registration(BaseModel):
+    node_id: str | None = Field(default=None, description="Null for agents of the external provisioner.")
+    endpoint: str = Field(
+        description="Where the control plane reaches the agent, e.g. http://127.0.0.1:41234"
+    )
+    pid: int | None = None
+    instance_type: str | None = None
+    memory_bytes: int | None = None
+
+
+class Heartbeat(BaseModel):
+    applied_generation: int = Field(ge=0)
+    endpoint: str | None = None
+    pid: int | None = None
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+async def _call(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> JSONResponse:
+    try:
+        return JSONResponse(await run_in_threadpool(lambda: fn(**kwargs)))
+    except AgentProtocolError as exc:
+        return JSONResponse(exc.to_body(), status_code=exc.status)
+
+
+@router.post(
+    "/clusters/{cluster}/register",
+    summary="Register a node agent",
+    description="With the cluster token and a node id (local provisioner), or with the bootstrap "
+    "token and no node id (external provisioner: the agent is bound to a pending node slot). "
+    "Answers the node id, the cluster token and the node's policy.",
+)
+async def register(cluster: str, body: Registration, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(
+        services.agents.register,
+        cluster_name=cluster,
+        token=bearer(request),
+        node_id=body.node_id,
+        endpoint=body.endpoint,
+        pid=body.pid,
+    )
+
+
+@router.post(
+    "/clusters/{cluster}/nodes/{node_id}/heartbeat",
+    summary="Agent heartbeat",
+    description="Records liveness and the generation the agent applied; answers the desired one.",
+)
+async def heartbeat(
+    cluster: str, node_id: str, body: Heartbeat, request: Request, services: ServicesDep
+) -> JSONResponse:
+    return await _call(
+        services.agents.heartbeat,
+        cluster_name=cluster,
+        node_id=node_id,
+        token=bearer(request),
+        applied_generation=body.applied_generation,
+        endpoint=body.endpoint,
+        pid=body.pid,
+    )
+
+
+@router.get(
+    "/clusters/{cluster}/nodes/{node_id}/policy",
+    summary="The node's current policy",
+    description="What an agent pulls when its heartbeat says its generation is behind.",
+)
+async def policy(cluster: str, node_id: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(services.agents.policy, cluster_name=cluster, node_id=node_id, token=bearer(request))
+
+
+@router.get(
+    "/clusters/{cluster}/members",
+    summary="The cluster's nodes in ring order",
+    description="Node ids, groups, statuses and agent endpoints; agents resolve replica peers here.",
+)
+async def members(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(services.agents.members, cluster_name=cluster, token=bearer(request))

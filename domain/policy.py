@@ -1,0 +1,59 @@
+"""The policy document the control plane pushes to each node's agent (docs/agent-protocol.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from domain.instance_types import instance_memory_bytes
+from models import Cluster, Node
+
+DEFAULT_IN_MEMORY_RETENTION = 3
+DEFAULT_REPLICATION_FACTOR = 1
+
+
+def ring(cluster: Cluster, nodes: Sequence[Node]) -> list[Node]:
+    """The cluster's nodes in a stable ring order: group position, launch time, node id."""
+    position = {group.name: group.position for group in cluster.instance_groups}
+    return sorted(nodes, key=lambda n: (position.get(n.group_name, 1 << 30), n.launch_time, n.id))
+
+
+def memory_budget_bytes(cluster: Cluster, instance_type: str, memory_scale: float) -> int:
+    tiered = cluster.tiered_storage or {}
+    if tiered.get("Mode") != "Enable":
+        return 0
+    percentage = int(tiered["InstanceMemoryAllocationPercentage"])
+    return int(instance_memory_bytes(instance_type) * percentage / 100 * memory_scale)
+
+
+def build_policy(
+    cluster: Cluster, node: Node, members: Sequence[Node], *, memory_scale: float
+) -> dict[str, Any]:
+    """The document for ``node``, given the cluster's live members (the replica ring)."""
+    tiered = cluster.tiered_storage or {}
+    enabled = tiered.get("Mode") == "Enable"
+    # Peers are named by node id: their endpoints come and go with agent restarts without
+    # changing the policy; agents look them up with the members call of the agent API.
+    ordered = ring(cluster, members)
+    peers: list[dict[str, Any]] = []
+    if enabled and node in ordered and len(ordered) > 1:
+        index = ordered.index(node)
+        factor = min(DEFAULT_REPLICATION_FACTOR, len(ordered) - 1)
+        for step in range(1, factor + 1):
+            peers.append({"node_id": ordered[(index + step) % len(ordered)].id})
+    return {
+        "generation": cluster.generation,
+        "cluster_name": cluster.name,
+        "cluster_id": cluster.id,
+        "node_id": node.id,
+        "instance_group": node.group_name,
+        "instance_type": node.instance_type,
+        "tiered_storage": {
+            "enabled": enabled,
+            "memory_percentage": tiered.get("InstanceMemoryAllocationPercentage") if enabled else None,
+        },
+        "memory_budget_bytes": memory_budget_bytes(cluster, node.instance_type, memory_scale),
+        "in_memory_retention": DEFAULT_IN_MEMORY_RETENTION,
+        "replication": {"factor": DEFAULT_REPLICATION_FACTOR if enabled else 0, "peers": peers},
+        "s3": None,
+    }

@@ -1,0 +1,197 @@
+"""Provisioners: what brings a node's agent up and down.
+
+- ``LocalProvisioner`` (default) starts one ``hyperpod-sim agent`` process per node on this machine
+  and stops it on scale-down, node deletion and DeleteCluster.
+- ``ExternalProvisioner`` starts nothing: agents started elsewhere register with the cluster's
+  bootstrap token and are bound to pending node slots; a deleted node's agent learns it from its
+  next heartbeat (404) and exits.
+- ``SimulatedProvisioner`` has no agents at all: a node is Running once its launch delay passed.
+  For API-only use (tests of the AWS surface, the control-plane benchmark).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Protocol
+
+from models import Cluster, Node
+
+log = logging.getLogger(__name__)
+
+
+class Provisioner(Protocol):
+    #: Whether nodes have agents (registration, heartbeats, policy pushes).
+    uses_agents: bool
+
+    def launch(self, cluster: Cluster, node: Node) -> None:
+        """Start the node's agent. Called after the node's row is committed; may raise OSError."""
+
+    def terminate(self, node: Node) -> None:
+        """Stop the node's agent, if this provisioner owns it."""
+
+    def is_running(self, node: Node) -> bool:
+        """Whether the node's agent process exists (as far as this provisioner can tell)."""
+
+    def is_ready(self, node: Node, now: datetime) -> bool:
+        """Simulated mode only: whether the launch delay has passed."""
+
+    def reap(self) -> None:
+        """Collect exited agent processes; force the stop of those that ignore SIGTERM."""
+
+
+class SimulatedProvisioner:
+    uses_agents = False
+
+    def launch(self, cluster: Cluster, node: Node) -> None:
+        return None
+
+    def terminate(self, node: Node) -> None:
+        return None
+
+    def is_running(self, node: Node) -> bool:
+        return True
+
+    def is_ready(self, node: Node, now: datetime) -> bool:
+        return now >= node.ready_at
+
+    def reap(self) -> None:
+        return None
+
+
+class ExternalProvisioner:
+    uses_agents = True
+
+    def launch(self, cluster: Cluster, node: Node) -> None:
+        log.info("node %s of %s waits for an external agent", node.id, cluster.name)
+
+    def terminate(self, node: Node) -> None:
+        return None
+
+    def is_running(self, node: Node) -> bool:
+        return True
+
+    def is_ready(self, node: Node, now: datetime) -> bool:
+        return False
+
+    def reap(self) -> None:
+        return None
+
+
+def find_agent_pids(node_id: str) -> list[int]:
+    """Processes on this machine running the agent of ``node_id`` (by their command line)."""
+    marker = f"--node-id\0{node_id}\0".encode()
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+        except OSError:
+            continue
+        if marker in cmdline and b"agent\0" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@dataclass
+class LocalProvisioner:
+    """Agents as child processes on loopback ports of this machine."""
+
+    command: Sequence[str]
+    control_plane_url: str
+    data_dir: Path
+    heartbeat_interval_s: float
+    kill_grace_s: float = 5.0
+    uses_agents: bool = True
+    _children: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # pid -> when SIGTERM was sent, for the SIGKILL of agents that do not stop.
+    _stopping: dict[int, float] = field(default_factory=dict)
+
+    def launch(self, cluster: Cluster, node: Node) -> None:
+        if find_agent_pids(node.id):
+            return  # already running (a control plane restarted while its agents lived on)
+        agent_dir = self.data_dir / "agents" / node.id
+        agent_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            *self.command,
+            "--control-plane",
+            self.control_plane_url,
+            "--cluster",
+            cluster.name,
+            "--node-id",
+            node.id,
+            "--instance-type",
+            node.instance_type,
+            "--data-dir",
+            str(agent_dir),
+            "--heartbeat-interval",
+            str(self.heartbeat_interval_s),
+        ]
+        # The token travels in the environment, not on the command line that `ps` shows.
+        env = {**os.environ, "HPSIM_AGENT_TOKEN": cluster.token}
+        with open(agent_dir / "agent.log", "ab") as logfile:
+            process = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT
+            )
+        node.pid = process.pid
+        self._children[process.pid] = process
+        log.info("started agent of %s (pid %d)", node.id, process.pid)
+
+    def terminate(self, node: Node) -> None:
+        for pid in find_agent_pids(node.id):
+            try:
+                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGCONT)  # a stopped (hung) agent must wake to see the TERM
+            except ProcessLookupError:
+                continue
+            self._stopping[pid] = time.monotonic()
+
+    def is_running(self, node: Node) -> bool:
+        return bool(find_agent_pids(node.id))
+
+    def is_ready(self, node: Node, now: datetime) -> bool:
+        return False
+
+    def reap(self) -> None:
+        for pid, process in list(self._children.items()):
+            if process.poll() is not None:
+                del self._children[pid]
+                self._stopping.pop(pid, None)
+        for pid, since in list(self._stopping.items()):
+            if not os.path.exists(f"/proc/{pid}"):
+                del self._stopping[pid]
+            elif time.monotonic() - since > self.kill_grace_s:
+                log.warning("agent pid %d ignored SIGTERM for %.0f s; killing it", pid, self.kill_grace_s)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                del self._stopping[pid]
+
+
+def make_provisioner(
+    mode: str,
+    *,
+    command: Sequence[str],
+    control_plane_url: str,
+    data_dir: Path,
+    heartbeat_interval_s: float,
+) -> Provisioner:
+    if mode == "simulated":
+        return SimulatedProvisioner()
+    if mode == "external":
+        return ExternalProvisioner()
+    return LocalProvisioner(
+        command=command,
+        control_plane_url=control_plane_url,
+        data_dir=data_dir,
+        heartbeat_interval_s=heartbeat_interval_s,
+    )

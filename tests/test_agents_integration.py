@@ -1,0 +1,262 @@
+"""Node agents as real processes: policy rollout, scaling, failure and recovery, tokens.
+
+Each test runs a control plane with the local provisioner (one agent process per node on a
+loopback port) on the real clock, with short heartbeat intervals.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from domain.instance_types import instance_memory_bytes
+from domain.provisioning import find_agent_pids
+from tests.conftest import EKS, ControlPlane, ServerProcess, group, kill_processes_under, wait_for
+
+GiB = 2**30
+SCALE = 1 / 1024  # the default simulation scale
+
+
+@pytest.fixture
+def sm(agent_plane: ControlPlane) -> Any:
+    """boto3 against the agent control plane (not conftest's simulated one)."""
+    return agent_plane.client()
+
+
+def expected_budget(instance_type: str, percentage: int) -> int:
+    return int(instance_memory_bytes(instance_type) * percentage / 100 * SCALE)
+
+
+def nodes(plane: ControlPlane | ServerProcess, name: str) -> list[dict[str, Any]]:
+    """Node details over REST, which carries the AgentStatus extension."""
+    listing = httpx.get(f"{plane.url}/clusters/{name}/nodes", timeout=10).json()
+    details = []
+    for summary in listing["ClusterNodeSummaries"]:
+        response = httpx.get(f"{plane.url}/clusters/{name}/nodes/{summary['InstanceId']}", timeout=10)
+        if response.status_code == 404:
+            continue  # removed between the listing and now
+        details.append(response.json()["NodeDetails"])
+    return details
+
+
+def agent_policy(node: dict[str, Any]) -> dict[str, Any]:
+    policy: dict[str, Any] = httpx.get(f"{node['AgentStatus']['Endpoint']}/v1/policy", timeout=10).json()
+    return policy
+
+
+def wait_status(sm: Any, name: str, status: str, timeout: float = 90) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        described: dict[str, Any] = sm.describe_cluster(ClusterName=name)
+        return described if described["ClusterStatus"] == status else None
+
+    result: dict[str, Any] = wait_for(check, timeout=timeout, what=f"{name} to be {status}")
+    return result
+
+
+def create_tiered(sm: Any, name: str, count: int, percentage: int = 20, **kwargs: Any) -> None:
+    sm.create_cluster(
+        ClusterName=name,
+        InstanceGroups=[group("workers", count)],
+        Orchestrator=EKS,
+        TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": percentage},
+        **kwargs,
+    )
+
+
+def event_texts(sm: Any, name: str) -> list[str]:
+    pages = sm.get_paginator("list_cluster_events").paginate(ClusterName=name, SortOrder="Ascending")
+    return [e["Description"] for page in pages for e in page["Events"]]
+
+
+def test_rollout_budget_and_ring(agent_plane: ControlPlane, sm: Any) -> None:
+    create_tiered(sm, "ring", 4)
+    wait_status(sm, "ring", "InService")
+    details = nodes(agent_plane, "ring")
+    assert len(details) == 4
+    budget = expected_budget("ml.p5.48xlarge", 20)
+    assert budget == int(2048 * GiB * 0.2 / 1024)
+    policies = {}
+    for node in details:
+        assert node["InstanceStatus"]["Status"] == "Running"
+        assert node["AgentStatus"]["AppliedPolicyGeneration"] == 1
+        policy = agent_policy(node)
+        assert policy["generation"] == 1
+        assert policy["memory_budget_bytes"] == budget
+        assert policy["tiered_storage"] == {"enabled": True, "memory_percentage": 20}
+        assert policy["node_id"] == node["InstanceId"]
+        metrics = httpx.get(f"{node['AgentStatus']['Endpoint']}/metrics", timeout=10).text
+        assert "hpsim_agent_policy_generation 1" in metrics
+        assert f"hpsim_agent_memory_budget_bytes {budget}" in metrics
+        policies[node["InstanceId"]] = policy
+    # Replica peers: each node names one peer, adjacent in a ring that covers every node.
+    successor = {nid: p["replication"]["peers"][0]["node_id"] for nid, p in policies.items()}
+    start = next(iter(successor))
+    seen, current = [], start
+    for _ in range(4):
+        seen.append(current)
+        current = successor[current]
+    assert current == start
+    assert sorted(seen) == sorted(policies)
+
+    # UpdateCluster: the cluster is InService only once every agent applied generation 2.
+    sm.update_cluster(
+        ClusterName="ring", TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": 50}
+    )
+    assert sm.describe_cluster(ClusterName="ring")["ClusterStatus"] == "Updating"
+    wait_status(sm, "ring", "InService")
+    for node in nodes(agent_plane, "ring"):
+        policy = agent_policy(node)
+        assert policy["generation"] == 2
+        assert policy["memory_budget_bytes"] == expected_budget("ml.p5.48xlarge", 50)
+    texts = event_texts(sm, "ring")
+    assert "Cluster update started; policy generation 2." in texts
+    assert texts[-1] == "Cluster is InService with 4 nodes; policy generation 2 applied on every node."
+
+
+def test_scaling_starts_and_stops_agent_processes(agent_plane: ControlPlane, sm: Any) -> None:
+    create_tiered(sm, "scale", 2)
+    wait_status(sm, "scale", "InService")
+    before = {n["InstanceId"] for n in nodes(agent_plane, "scale")}
+    assert all(find_agent_pids(node_id) for node_id in before)
+
+    sm.update_cluster(ClusterName="scale", InstanceGroups=[group("workers", 3)])
+    wait_status(sm, "scale", "InService")
+    after = {n["InstanceId"] for n in nodes(agent_plane, "scale")}
+    assert before < after
+    assert all(find_agent_pids(node_id) for node_id in after)
+
+    sm.update_cluster(ClusterName="scale", InstanceGroups=[group("workers", 1)])
+    wait_status(sm, "scale", "InService")
+    remaining = {n["InstanceId"] for n in nodes(agent_plane, "scale")}
+    assert len(remaining) == 1
+    for gone in after - remaining:
+        wait_for(lambda gone=gone: not find_agent_pids(gone), timeout=30, what=f"agent of {gone} to stop")
+
+    victim = remaining.pop()
+    sm.batch_delete_cluster_nodes(ClusterName="scale", NodeIds=[victim])
+    wait_for(lambda: not find_agent_pids(victim), timeout=30, what="deleted node's agent to stop")
+
+    sm.delete_cluster(ClusterName="scale")
+    wait_for(
+        lambda: not sm.list_clusters(NameContains="scale")["ClusterSummaries"], timeout=60, what="deletion"
+    )
+
+
+def test_killed_agent_is_replaced(agent_plane: ControlPlane, sm: Any) -> None:
+    create_tiered(sm, "heal", 3, NodeRecovery="Automatic")
+    wait_status(sm, "heal", "InService")
+    victim = nodes(agent_plane, "heal")[0]["InstanceId"]
+    for pid in find_agent_pids(victim):
+        os.kill(pid, signal.SIGKILL)
+
+    def replaced() -> bool:
+        current = {n["InstanceId"] for n in nodes(agent_plane, "heal")}
+        return victim not in current and len(current) == 3
+
+    wait_for(replaced, timeout=60, what="the failed node to be replaced")
+
+    def healed() -> bool:
+        # The cluster stays InService while a node is replaced; the ring changed once, so every
+        # agent ends on generation 2.
+        details = nodes(agent_plane, "heal")
+        return len(details) == 3 and all(
+            n["InstanceStatus"]["Status"] == "Running" and agent_policy(n)["generation"] == 2 for n in details
+        )
+
+    wait_for(healed, timeout=60, what="the replacement to run and every agent to apply generation 2")
+    assert sm.describe_cluster(ClusterName="heal")["ClusterStatus"] == "InService"
+    texts = event_texts(sm, "heal")
+    failed = [t for t in texts if t.startswith(f"Node {victim} failed: no heartbeat")]
+    assert failed, texts
+    assert any(t.startswith(f"Node {victim} is replaced by i-") for t in texts), texts
+
+
+def test_failed_node_without_recovery_stays_failed(agent_plane: ControlPlane, sm: Any) -> None:
+    create_tiered(sm, "keep", 2, NodeRecovery="None")
+    wait_status(sm, "keep", "InService")
+    victim = nodes(agent_plane, "keep")[0]["InstanceId"]
+    for pid in find_agent_pids(victim):
+        os.kill(pid, signal.SIGKILL)
+
+    def failed() -> dict[str, Any] | None:
+        for node in sm.list_cluster_nodes(ClusterName="keep")["ClusterNodeSummaries"]:
+            if node["InstanceId"] == victim and node["InstanceStatus"]["Status"] == "Failure":
+                return node
+        return None
+
+    node = wait_for(failed, timeout=30, what="the node to be marked failed")
+    assert node["InstanceStatus"]["Message"] == "Node failed: no heartbeat from its agent for 3 s."
+    assert len(sm.list_cluster_nodes(ClusterName="keep")["ClusterNodeSummaries"]) == 2
+    result = sm.batch_delete_cluster_nodes(ClusterName="keep", NodeIds=[victim])
+    assert result["Successful"] == [victim]
+    wait_for(
+        lambda: len(sm.list_cluster_nodes(ClusterName="keep")["ClusterNodeSummaries"]) == 1,
+        timeout=30,
+        what="the failed node to go",
+    )
+
+
+def test_tokens_are_checked_on_both_sides(agent_plane: ControlPlane, sm: Any) -> None:
+    create_tiered(sm, "tok", 1)
+    wait_status(sm, "tok", "InService")
+    node = nodes(agent_plane, "tok")[0]
+    node_id, endpoint = node["InstanceId"], node["AgentStatus"]["Endpoint"]
+    heartbeat = f"{agent_plane.url}/agent/v1/clusters/tok/nodes/{node_id}/heartbeat"
+    body = {"applied_generation": 1}
+    missing = httpx.post(heartbeat, json=body)
+    assert missing.status_code == 401
+    assert missing.json()["error"] == "MissingToken"
+    wrong = httpx.post(heartbeat, json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 403
+    assert wrong.json()["error"] == "InvalidToken"
+    policy = {**agent_policy(node), "generation": 99}
+    assert httpx.put(f"{endpoint}/v1/policy", json=policy).status_code == 401
+    refused = httpx.put(f"{endpoint}/v1/policy", json=policy, headers={"Authorization": "Bearer nope"})
+    assert refused.status_code == 403
+    assert agent_policy(node)["generation"] == 1
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_rollout_completes_after_control_plane_restart(database_url: str, tmp_path: Path) -> None:
+    env = {
+        "HPSIM_PROVISIONING__MODE": "local",
+        "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.2",
+        "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "120",
+        "HPSIM_RECONCILER__INTERVAL_S": "0.2",
+    }
+    first = ServerProcess(database_url, tmp_path, env).start()
+    try:
+        sm = first.client()
+        create_tiered(sm, "roll", 2)
+        wait_status(sm, "roll", "InService")
+        agents = [pid for n in nodes(first, "roll") for pid in find_agent_pids(n["InstanceId"])]
+        assert len(agents) == 2
+        # Freeze the agents so the rollout cannot finish, then crash the control plane mid-rollout.
+        for pid in agents:
+            os.kill(pid, signal.SIGSTOP)
+        sm.update_cluster(
+            ClusterName="roll",
+            TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": 40},
+        )
+        first.kill()
+        second = ServerProcess(database_url, tmp_path, env, port=first.port).start()
+        try:
+            sm = second.client()
+            assert sm.describe_cluster(ClusterName="roll")["ClusterStatus"] == "Updating"
+            for pid in agents:
+                os.kill(pid, signal.SIGCONT)
+            wait_status(sm, "roll", "InService")
+            for node in nodes(second, "roll"):
+                policy = agent_policy(node)
+                assert policy["generation"] == 2
+                assert policy["memory_budget_bytes"] == expected_budget("ml.p5.48xlarge", 40)
+        finally:
+            second.stop()
+    finally:
+        first.kill()
+        kill_processes_under(tmp_path)
