@@ -65,6 +65,7 @@ class AgentApp:
             return error_response(
                 403, "InvalidToken", f"the token is not the cluster token of {state.cluster}"
             )
+        state.counters.policy_pushes_total += 1
         try:
             doc = json.loads(request.body)
         except (ValueError, UnicodeDecodeError) as exc:

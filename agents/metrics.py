@@ -91,4 +91,10 @@ def agent_metrics(state: AgentState) -> list[Metric]:
             help="Policy documents applied (a new generation in force).",
             value=counters.policy_applies_total,
         ),
+        Metric(
+            name="hpsim_agent_policy_pushes_total",
+            kind="counter",
+            help="Authorised policy pushes received (a repeated generation counts too).",
+            value=counters.policy_pushes_total,
+        ),
     ]

@@ -49,6 +49,8 @@ class Counters:
     heartbeats_total: int = 0
     heartbeat_failures_total: int = 0
     policy_applies_total: int = 0
+    # Authorised PUT /v1/policy calls, applied or not: shows duplicate pushes.
+    policy_pushes_total: int = 0
 
 
 @dataclass(kw_only=True)

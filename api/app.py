@@ -81,6 +81,9 @@ def build_services(
             region=settings.region,
             max_instances_per_cluster=settings.limits.max_instances_per_cluster,
             max_clusters=settings.limits.max_clusters,
+            bootstrap_token=(
+                provisioning.bootstrap_token.get_secret_value() if provisioning.bootstrap_token else None
+            ),
         ),
         on_change=reconciler.wake,
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 
 from api import shapes
@@ -196,7 +197,6 @@ def _query_params(operation: str, request: Request) -> dict[str, Any]:
 
 def _make_endpoint(route: Route) -> Callable[..., Any]:
     async def endpoint(request: Request, services: ServicesDep) -> Any:
-        from fastapi.concurrency import run_in_threadpool
 
         params: dict[str, Any] = {}
         if route.query:
@@ -278,6 +278,30 @@ for _route in ROUTES:
             409: {"description": "ResourceInUse or ConflictException"},
         },
     )
+
+
+@router.get(
+    "/clusters/{name}/agent-bootstrap",
+    summary="How to start an agent for this cluster (external provisioning)",
+    description="hyperpod-sim extension. The cluster's bootstrap token and the command that starts an "
+    "agent which registers with it and is bound to a pending node slot (docs/agent-protocol.md). "
+    "With the local provisioner the control plane starts agents itself.",
+    tags=["agents"],
+)
+async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
+
+    try:
+        cluster = await run_in_threadpool(lambda: services.clusters.agent_bootstrap(name=name))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    url = services.settings.control_plane_url()
+    return {
+        "ClusterName": cluster.name,
+        "ControlPlaneUrl": url,
+        "BootstrapToken": cluster.bootstrap_token,
+        "Command": f"HPSIM_AGENT_TOKEN={cluster.bootstrap_token} hyperpod-sim agent "
+        f"--control-plane {url} --cluster {cluster.name}",
+    }
 
 
 def _aws_json_entry_doc() -> dict[str, Any]:

@@ -71,6 +71,8 @@ class DomainConfig:
     region: str
     max_instances_per_cluster: int
     max_clusters: int
+    # One bootstrap token for every cluster (external provisioning), or None for one each.
+    bootstrap_token: str | None = None
 
 
 T = TypeVar("T")
@@ -321,7 +323,7 @@ class ClusterService:
                 extra=extra or {},
                 generation=1,
                 token=self.ids.token(),
-                bootstrap_token=self.ids.token(),
+                bootstrap_token=self.config.bootstrap_token or self.ids.token(),
             )
             cluster.instance_groups = [
                 self._new_group(spec, i, restricted=False) for i, spec in enumerate(groups)
@@ -340,6 +342,11 @@ class ClusterService:
             )
         self.on_change()
         return cluster
+
+    def agent_bootstrap(self, *, name: str) -> Cluster:
+        """The cluster with its bootstrap token, for starting external agents."""
+        with self.db.read() as session:
+            return self._get(session, name)
 
     def describe_cluster(self, *, name: str) -> tuple[Cluster, dict[str, int]]:
         """The cluster (detached, with its groups) and the number of Running nodes per group.

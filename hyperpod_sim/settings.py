@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -39,6 +39,11 @@ class ProvisioningSettings(BaseModel):
     )
     launch_timeout_s: float = Field(
         default=120.0, gt=0, description="A node whose agent has not registered by then has failed."
+    )
+    bootstrap_token: SecretStr | None = Field(
+        default=None,
+        description="external mode: one bootstrap token for every cluster, so agents can be started "
+        "(docker compose, a DaemonSet) before their cluster exists. Default: a random one per cluster.",
     )
     agent_command: list[str] = Field(
         default_factory=lambda: [sys.executable, "-m", "hyperpod_sim", "agent"],

@@ -120,9 +120,7 @@ class ClusterEvent(Base):
     __tablename__ = "cluster_events"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    cluster_id: Mapped[str] = mapped_column(
-        ForeignKey("clusters.id", ondelete="CASCADE"), index=True
-    )
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
     resource_type: Mapped[str] = mapped_column(String(16))
     instance_group_name: Mapped[str | None] = mapped_column(String(63))
     instance_id: Mapped[str | None] = mapped_column(String(19))

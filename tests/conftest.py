@@ -323,9 +323,9 @@ def kill_processes_under(path: Path) -> None:
 
 
 @pytest.fixture
-def agent_settings() -> dict[str, Any]:
-    """Override in a test module to change the agent control plane's settings."""
-    return {}
+def agent_settings(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Settings of the agent control plane: parametrize indirectly, or override in a module."""
+    return dict(getattr(request, "param", {}))
 
 
 @pytest.fixture
@@ -338,7 +338,7 @@ def agent_plane(database_url: str, tmp_path: Path, agent_settings: dict[str, Any
         "heartbeat_interval_s": 0.2,
         "heartbeat_timeout_s": 3.0,
         "launch_timeout_s": 60.0,
-        **agent_settings.pop("provisioning", {}),
+        **agent_settings.get("provisioning", {}),
     }
     settings = make_settings(
         database_url,
@@ -346,7 +346,7 @@ def agent_plane(database_url: str, tmp_path: Path, agent_settings: dict[str, Any
         port=port,
         provisioning=provisioning,
         reconciler={"interval_s": 0.2},
-        **agent_settings,
+        **{key: value for key, value in agent_settings.items() if key != "provisioning"},
     )
     app = create_app(settings)
     try:

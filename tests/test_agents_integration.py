@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -259,4 +261,87 @@ def test_rollout_completes_after_control_plane_restart(database_url: str, tmp_pa
             second.stop()
     finally:
         first.kill()
+        kill_processes_under(tmp_path)
+
+
+def start_agent(plane_url: str, cluster: str, token: str, data_dir: Path) -> subprocess.Popen[bytes]:
+    """An agent started by hand, as docker compose or a DaemonSet would (external provisioning)."""
+    argv = [sys.executable, "-m", "hyperpod_sim", "agent", "--control-plane", plane_url, "--cluster", cluster]
+    argv += ["--data-dir", str(data_dir), "--heartbeat-interval", "0.2"]
+    with open(data_dir.with_suffix(".log"), "wb") as log:
+        return subprocess.Popen(
+            argv, env={**os.environ, "HPSIM_AGENT_TOKEN": token}, stdout=subprocess.DEVNULL, stderr=log
+        )
+
+
+@pytest.mark.parametrize("agent_settings", [{"provisioning": {"mode": "external"}}], indirect=True)
+def test_external_agents_bind_to_pending_slots(agent_plane: ControlPlane, sm: Any, tmp_path: Path) -> None:
+    create_tiered(sm, "ext", 2)
+    # Nobody starts agents: the nodes wait.
+    assert sm.describe_cluster(ClusterName="ext")["ClusterStatus"] == "Creating"
+    assert {n["InstanceStatus"]["Status"] for n in nodes(agent_plane, "ext")} == {"Pending"}
+    bootstrap = httpx.get(f"{agent_plane.url}/clusters/ext/agent-bootstrap").json()
+    assert bootstrap["ControlPlaneUrl"] == agent_plane.url
+    wrong = start_agent(agent_plane.url, "ext", "not-the-token", tmp_path / "wrong")
+    agents = [
+        start_agent(agent_plane.url, "ext", bootstrap["BootstrapToken"], tmp_path / f"a{i}") for i in range(2)
+    ]
+    try:
+        wait_status(sm, "ext", "InService")
+        details = nodes(agent_plane, "ext")
+        endpoints = {n["AgentStatus"]["Endpoint"] for n in details}
+        assert len(endpoints) == 2
+        assert all(agent_policy(n)["generation"] == 1 for n in details)
+        # The agent with a wrong token bound to nothing and is still waiting.
+        assert wrong.poll() is None
+        # A deleted node's agent learns it from its next heartbeat and exits.
+        victim = details[0]["InstanceId"]
+        sm.batch_delete_cluster_nodes(ClusterName="ext", NodeIds=[victim])
+        wait_for(
+            lambda: sum(a.poll() == 0 for a in agents) == 1,
+            timeout=30,
+            what="the deleted node's agent to exit",
+        )
+    finally:
+        for process in [wrong, *agents]:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def pushes_received(node: dict[str, Any]) -> int:
+    metrics = httpx.get(f"{node['AgentStatus']['Endpoint']}/metrics", timeout=10).text
+    line = next(line for line in metrics.splitlines() if line.startswith("hpsim_agent_policy_pushes_total "))
+    return int(float(line.split()[1]))
+
+
+@pytest.mark.parametrize(
+    "database_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_two_control_planes_push_once(database_url: str, tmp_path: Path) -> None:
+    env = {
+        "HPSIM_PROVISIONING__MODE": "local",
+        "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.2",
+        "HPSIM_RECONCILER__INTERVAL_S": "0.05",
+    }
+    first = ServerProcess(database_url, tmp_path, env).start()
+    second = ServerProcess(database_url, tmp_path, env).start()
+    try:
+        sm = first.client()
+        create_tiered(sm, "pair", 4)
+        wait_status(sm, "pair", "InService")
+        before = {n["InstanceId"]: pushes_received(n) for n in nodes(first, "pair")}
+        for generation in (2, 3, 4):
+            sm.update_cluster(
+                ClusterName="pair",
+                TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20 + generation},
+            )
+            wait_status(second.client(), "pair", "InService")
+        after = {n["InstanceId"]: pushes_received(n) for n in nodes(second, "pair")}
+        # Each agent got each new generation once, from one of the two control planes; an agent
+        # that pulled a generation itself before its push got fewer.
+        assert all(after[node_id] - before[node_id] <= 3 for node_id in before), (before, after)
+        assert all(agent_policy(n)["generation"] == 4 for n in nodes(first, "pair"))
+    finally:
+        first.stop()
+        second.stop()
         kill_processes_under(tmp_path)
