@@ -98,3 +98,54 @@ async def policy(cluster: str, node_id: str, request: Request, services: Service
 )
 async def members(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(services.agents.members, cluster_name=cluster, token=bearer(request))
+
+
+class NamespaceCreation(BaseModel):
+    num_ranks: int = Field(description="Ranks of the namespace, metadata ranks included.")
+    steps_retained: int = Field(description="Steps kept per rank; capped at the cluster's retention.")
+
+
+@router.get("/clusters/{cluster}/namespaces", summary="The cluster's checkpoint namespaces")
+async def list_namespaces(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(services.agents.list_namespaces, cluster_name=cluster, token=bearer(request))
+
+
+@router.get(
+    "/clusters/{cluster}/namespaces/{name}",
+    summary="A checkpoint namespace",
+    description="Namespaces are cluster-wide: agents keep them here, so that a namespace created "
+    "through one agent is known to every agent of the cluster.",
+)
+async def get_namespace(cluster: str, name: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(services.agents.get_namespace, cluster_name=cluster, token=bearer(request), name=name)
+
+
+@router.post(
+    "/clusters/{cluster}/namespaces/{name}", summary="Create a checkpoint namespace", status_code=201
+)
+async def create_namespace(
+    cluster: str, name: str, body: NamespaceCreation, request: Request, services: ServicesDep
+) -> JSONResponse:
+    response = await _call(
+        services.agents.create_namespace,
+        cluster_name=cluster,
+        token=bearer(request),
+        name=name,
+        num_ranks=body.num_ranks,
+        steps_retained=body.steps_retained,
+    )
+    if response.status_code == 200:
+        response.status_code = 201
+    return response
+
+
+@router.delete("/clusters/{cluster}/namespaces/{name}", summary="Delete a checkpoint namespace")
+async def delete_namespace(cluster: str, name: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(
+        services.agents.delete_namespace, cluster_name=cluster, token=bearer(request), name=name
+    )
+
+
+@router.post("/clusters/{cluster}/namespaces-reset", summary="Delete every namespace of the cluster")
+async def reset_namespaces(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(services.agents.reset_namespaces, cluster_name=cluster, token=bearer(request))

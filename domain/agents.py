@@ -11,17 +11,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, selectinload
 
 from domain import events
 from domain.clock import Clock, Ids
 from domain.errors import AgentProtocolError
 from domain.lifecycle import NodeStatus
-from domain.policy import build_policy, ring
-from models import Cluster, Database, Node
+from domain.policy import DEFAULT_IN_MEMORY_RETENTION, build_policy, ring
+from models import CheckpointNamespace, Cluster, Database, Node
 
 LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
+MAX_RANKS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -151,9 +152,25 @@ class AgentService:
         now = self.clock.now()
         wake = False
         with self.db.write() as session:
-            cluster = self._cluster(session, cluster_name)
+            # One node's row and its cluster's, not the cluster's whole node set: every node
+            # heartbeats every second, so this must not grow with the cluster.
+            row = session.execute(
+                select(Cluster, Node)
+                .join(Node, Node.cluster_id == Cluster.id)
+                .where(Cluster.name == cluster_name, Node.id == node_id)
+            ).one_or_none()
+            if row is None:
+                cluster = self._cluster(session, cluster_name)  # 404 for the cluster, if that is it
+                check_token(token, cluster.token)
+                raise AgentProtocolError(
+                    404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster_name}'."
+                )
+            cluster, node = row
             check_token(token, cluster.token)
-            node = self._node(cluster, node_id)
+            if node.status == NodeStatus.SHUTTING_DOWN:
+                raise AgentProtocolError(
+                    404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster_name}'."
+                )
             node.last_heartbeat = now
             if endpoint and endpoint != node.endpoint:
                 node.endpoint = endpoint
@@ -201,3 +218,86 @@ class AgentService:
                     for n in ring(cluster, live)
                 ]
             }
+
+    # ------------------------------------------------------------------ checkpoint namespaces
+
+    @staticmethod
+    def _namespace_doc(namespace: CheckpointNamespace) -> dict[str, Any]:
+        return {
+            "namespace": namespace.name,
+            "num_ranks": namespace.num_ranks,
+            "steps_to_retain_per_rank": namespace.steps_retained,
+        }
+
+    def _find_namespace(self, session: Session, cluster: Cluster, name: str) -> CheckpointNamespace | None:
+        return session.scalars(
+            select(CheckpointNamespace).where(
+                CheckpointNamespace.cluster_id == cluster.id, CheckpointNamespace.name == name
+            )
+        ).one_or_none()
+
+    def get_namespace(self, *, cluster_name: str, token: str | None, name: str) -> dict[str, Any]:
+        with self.db.read() as session:
+            cluster = self._cluster(session, cluster_name)
+            check_token(token, cluster.token)
+            namespace = self._find_namespace(session, cluster, name)
+            if namespace is None:
+                raise AgentProtocolError(404, "NamespaceNotFound", f"Namespace '{name}' does not exist.")
+            return self._namespace_doc(namespace)
+
+    def create_namespace(
+        self, *, cluster_name: str, token: str | None, name: str, num_ranks: int, steps_retained: int
+    ) -> dict[str, Any]:
+        """Create a namespace; its retention is capped at the cluster's in-memory retention."""
+        if not 1 <= num_ranks <= MAX_RANKS:
+            raise AgentProtocolError(
+                400, "InvalidNamespace", f"num_ranks must be between 1 and {MAX_RANKS}, got {num_ranks}."
+            )
+        if steps_retained < 1:
+            raise AgentProtocolError(
+                400, "InvalidNamespace", f"steps_retained must be at least 1, got {steps_retained}."
+            )
+        with self.db.write() as session:
+            cluster = self._cluster(session, cluster_name, lock=True)
+            check_token(token, cluster.token)
+            if self._find_namespace(session, cluster, name) is not None:
+                raise AgentProtocolError(409, "NamespaceExists", f"Namespace '{name}' already exists.")
+            namespace = CheckpointNamespace(
+                cluster_id=cluster.id,
+                name=name,
+                num_ranks=num_ranks,
+                steps_retained=min(steps_retained, DEFAULT_IN_MEMORY_RETENTION),
+                created_at=self.clock.now(),
+            )
+            session.add(namespace)
+            return self._namespace_doc(namespace)
+
+    def delete_namespace(self, *, cluster_name: str, token: str | None, name: str) -> dict[str, Any]:
+        with self.db.write() as session:
+            cluster = self._cluster(session, cluster_name)
+            check_token(token, cluster.token)
+            namespace = self._find_namespace(session, cluster, name)
+            if namespace is None:
+                raise AgentProtocolError(404, "NamespaceNotFound", f"Namespace '{name}' does not exist.")
+            session.delete(namespace)
+            return {"deleted": name}
+
+    def list_namespaces(self, *, cluster_name: str, token: str | None) -> dict[str, Any]:
+        with self.db.read() as session:
+            cluster = self._cluster(session, cluster_name)
+            check_token(token, cluster.token)
+            found = session.scalars(
+                select(CheckpointNamespace)
+                .where(CheckpointNamespace.cluster_id == cluster.id)
+                .order_by(CheckpointNamespace.name)
+            )
+            return {"namespaces": [self._namespace_doc(n) for n in found]}
+
+    def reset_namespaces(self, *, cluster_name: str, token: str | None) -> dict[str, Any]:
+        with self.db.write() as session:
+            cluster = self._cluster(session, cluster_name)
+            check_token(token, cluster.token)
+            result = session.execute(
+                delete(CheckpointNamespace).where(CheckpointNamespace.cluster_id == cluster.id)
+            )
+            return {"deleted": int(getattr(result, "rowcount", 0) or 0)}

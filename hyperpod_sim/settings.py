@@ -74,7 +74,7 @@ class LimitSettings(BaseModel):
 
 class ReconcilerSettings(BaseModel):
     interval_s: float = Field(default=1.0, gt=0, description="Periodic re-sync interval.")
-    push_workers: int = Field(default=64, ge=1, description="Policy pushes in parallel.")
+    push_workers: int = Field(default=16, ge=1, description="Policy pushes in parallel.")
     push_timeout_s: float = Field(default=5.0, gt=0, description="Timeout of one policy push.")
     push_backoff_s: float = Field(default=0.2, gt=0, description="First retry delay of a failed push.")
     push_backoff_max_s: float = Field(default=10.0, gt=0, description="Largest retry delay.")

@@ -1,6 +1,15 @@
 """Persistence only: SQLAlchemy tables and the engine/session factory."""
 
 from models.db import Database
-from models.tables import Base, Cluster, ClusterEvent, InstanceGroup, Node, Tag
+from models.tables import Base, CheckpointNamespace, Cluster, ClusterEvent, InstanceGroup, Node, Tag
 
-__all__ = ["Base", "Cluster", "ClusterEvent", "Database", "InstanceGroup", "Node", "Tag"]
+__all__ = [
+    "Base",
+    "CheckpointNamespace",
+    "Cluster",
+    "ClusterEvent",
+    "Database",
+    "InstanceGroup",
+    "Node",
+    "Tag",
+]

@@ -137,3 +137,17 @@ class Tag(Base):
     resource_arn: Mapped[str] = mapped_column(String(256), index=True)
     key: Mapped[str] = mapped_column(String(128))
     value: Mapped[str] = mapped_column(String(256))
+
+
+class CheckpointNamespace(Base):
+    """A trainer's checkpoint namespace, cluster-wide: any agent of the cluster answers for it."""
+
+    __tablename__ = "checkpoint_namespaces"
+    __table_args__ = (UniqueConstraint("cluster_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(256))
+    num_ranks: Mapped[int]
+    steps_retained: Mapped[int]
+    created_at: Mapped[datetime]

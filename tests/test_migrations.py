@@ -15,7 +15,7 @@ from sqlalchemy import inspect, select, text
 from models import Base, Cluster, Database
 from models.db import alembic_config
 
-TABLES = {"cluster_events", "clusters", "instance_groups", "nodes", "tags"}
+TABLES = {"checkpoint_namespaces", "cluster_events", "clusters", "instance_groups", "nodes", "tags"}
 
 
 @pytest.fixture

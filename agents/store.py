@@ -1,0 +1,851 @@
+"""The shard store of an agent's in-memory checkpoint tier: one plain file per shard, on tmpfs.
+
+A shard is "rank r's bytes of step n of namespace ns" (a ``ShardKey``). The store keeps each one as a
+file under ``root`` (on a node, ``/dev/shm/hpsim/<node_id>``): memory that the agent owns and that
+outlives a crash of the agent. A restarted agent finds its shards again by scanning ``root``.
+
+Layout on disk::
+
+    root/<ns>/<rank>/<step>.shard    the shard's raw bytes and nothing else (trainers may mmap it)
+    root/<ns>/<rank>/<step>.meta     JSON sidecar: {"version": 1, "current": R, "previous": R | null}
+    root/<ns>/<rank>/.<...>.tmp      a write in progress (data or sidecar); removed at startup
+
+``<ns>`` is ``quote(namespace, safe="")`` with ``.`` also escaped (``%2E``), so a namespace holding
+``/``, spaces or dots is one directory name and never ``.`` or ``..``; its encoded form must fit in
+255 bytes. ``<rank>`` and ``<step>`` are decimal. A record ``R`` is ``{"size", "checksum",
+"replica_of", "committed_at", "inode"}``: ``inode`` is the inode number of the data file it describes.
+
+Commit protocol (``Reservation.commit``), all under the store's lock:
+
+1. The bytes are already in ``.<step>.<uuid>.shard.tmp`` (created at ``reserve``, preallocated,
+   written through a shared mapping).
+2. Write the sidecar to a temp file and rename it to ``<step>.meta``: ``current`` describes the new
+   data file (its inode), ``previous`` the shard it replaces, if any.
+3. Rename the data temp file to ``<step>.shard``.
+
+At startup a shard counts only if its data file is a regular file whose inode and size match the
+sidecar's ``current`` record, or its ``previous`` one (a crash between steps 2 and 3 of a replacement:
+the old shard is kept and the sidecar rewritten). Anything else (a sidecar without data, data
+without a sidecar, a torn or unreadable sidecar) is removed, as are all ``.tmp`` files. So a crash at
+any point leaves the old shard or the new one, never a half shard. Files are not fsync'ed: the
+store guards against the agent crashing, not the machine (tmpfs does not survive a reboot anyway).
+One store per root: two live stores on the same root would remove each other's writes at startup.
+
+Shards are never written in place: a replacement renames a new file over the old name and an
+eviction unlinks it, so a reader that has mapped a shard file keeps seeing one whole shard.
+
+Budget: ``in_use_bytes`` counts committed shards plus reservations in flight (a replacement counts
+both copies until it commits). ``reserve`` makes room by evicting whole steps (every local shard of
+one ``(namespace, step)``), oldest first by the step's newest ``committed_at``, skipping protected
+steps, the new shard's own step and any step with a reservation in flight; it plans the evictions
+first and evicts nothing unless the plan makes the shard fit.
+
+Threading: an index guarded by one lock; hashing (at commit and at read) runs outside it, so worker
+threads can verify big shards while the event loop keeps using the store. ``protect`` callbacks run
+outside the lock too, and at most once per call, only when something has to be evicted.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import errno
+import json
+import mmap
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, replace
+from io import BufferedReader
+from pathlib import Path
+from stat import S_ISREG
+from types import TracebackType
+from typing import Any, Literal
+from urllib.parse import quote, unquote
+
+import xxhash
+
+StepId = tuple[str, int]  # (namespace, step)
+ProtectFn = Callable[[], AbstractSet[StepId]]
+
+DATA_SUFFIX = ".shard"
+META_SUFFIX = ".meta"
+TEMP_SUFFIX = ".tmp"
+META_VERSION = 1
+MAX_NAME_BYTES = 255
+DIGEST_BYTES = 16
+
+
+def _nothing_protected() -> AbstractSet[StepId]:
+    return frozenset()
+
+
+@dataclass(frozen=True, order=True)
+class ShardKey:
+    namespace: str
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    key: ShardKey
+    size: int
+    # base64 of the 16-byte xxh3_128 digest, as amzn-sagemaker-checkpointing sends in Shard-Meta.
+    checksum: str
+    # None: this node's own (primary) shard; else the node id whose shard this is a replica of.
+    replica_of: str | None
+    path: Path  # the data file
+    committed_at: float  # the store's clock at commit
+
+
+@dataclass
+class StoreCounters:
+    evictions_total: int = 0  # shards removed to make room (reserve, set_budget) or by retention
+    # Uploads whose bytes did not match their checksum, and stored copies that failed verification.
+    checksum_failures_total: int = 0
+    bytes_written_total: int = 0  # bytes of committed shards
+
+
+class BudgetExceeded(Exception):
+    """No room for a shard within the memory budget (the HTTP layer answers 507); nothing was evicted."""
+
+    def __init__(self, *, needed: int, budget: int, in_use: int, message: str | None = None) -> None:
+        self.needed = needed
+        self.budget = budget
+        self.in_use = in_use
+        default = f"cannot store {needed} bytes: the memory budget is {budget} bytes and {in_use} are in use"
+        super().__init__(message or default)
+
+
+class CorruptShard(Exception):
+    """A shard's bytes do not match its checksum: an upload (nothing stored) or a stored copy (dropped)."""
+
+    def __init__(self, key: ShardKey, *, detail: str) -> None:
+        self.key = key
+        super().__init__(f"rank {key.rank} step {key.step} of namespace {key.namespace!r}: {detail}")
+
+
+class ReservationCancelled(Exception):
+    """The shard's namespace was deleted (or the store cleared) while it was being written."""
+
+    def __init__(self, key: ShardKey) -> None:
+        self.key = key
+        super().__init__(
+            f"rank {key.rank} step {key.step} of namespace {key.namespace!r} was being written when its "
+            "namespace was deleted or the store cleared; nothing was stored"
+        )
+
+
+def checksum_of(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
+    """base64 of the 16-byte xxh3_128 digest of ``data`` (the Shard-Meta checksum)."""
+    return base64.b64encode(xxhash.xxh3_128_digest(data)).decode("ascii")
+
+
+def _normalized_checksum(checksum: str) -> str:
+    """The canonical base64 form of a checksum; ValueError if it is not a 16-byte digest."""
+    try:
+        digest = base64.b64decode(checksum, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"checksum {checksum!r} is not base64: {exc}") from exc
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError(
+            f"checksum {checksum!r} is {len(digest)} bytes; an xxh3_128 digest is {DIGEST_BYTES}"
+        )
+    return base64.b64encode(digest).decode("ascii")
+
+
+# ---------------------------------------------------------------------------------------- names on disk
+
+
+def _encode_namespace(namespace: str) -> str:
+    return quote(namespace, safe="").replace(".", "%2E")
+
+
+def _decode_namespace(name: str) -> str | None:
+    """The namespace a directory name stands for, or None if it is not one this store would write."""
+    try:
+        namespace = unquote(name, errors="strict")
+    except UnicodeDecodeError:
+        return None
+    return namespace if namespace and _encode_namespace(namespace) == name else None
+
+
+def _decimal(text: str) -> int | None:
+    """The value of a canonical non-negative decimal ("7", not "07" or "+7"), else None."""
+    if text.isascii() and text.isdigit() and str(int(text)) == text:
+        return int(text)
+    return None
+
+
+def _check_key(key: ShardKey) -> None:
+    if not key.namespace:
+        raise ValueError("a shard's namespace must not be empty")
+    if len(_encode_namespace(key.namespace).encode()) > MAX_NAME_BYTES:
+        raise ValueError(f"namespace {key.namespace[:40]!r}... is too long to store (encoded over 255 bytes)")
+    if key.rank < 0 or key.step < 0:
+        raise ValueError(f"rank and step must not be negative (got rank {key.rank}, step {key.step})")
+
+
+def _temp_name(step: int, suffix: str) -> str:
+    return f".{step}.{uuid.uuid4().hex}{suffix}{TEMP_SUFFIX}"
+
+
+def _is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def _prune_empty_dirs(directory: Path, *, stop: Path) -> None:
+    """Remove ``directory`` and its parents while they are empty, up to (not including) ``stop``."""
+    while directory != stop and stop in directory.parents:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+        directory = directory.parent
+
+
+# ---------------------------------------------------------------------------------------- sidecar
+
+
+@dataclass(frozen=True)
+class _Record:
+    """What a sidecar says about one data file."""
+
+    size: int
+    checksum: str
+    replica_of: str | None
+    committed_at: float
+    inode: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "checksum": self.checksum,
+            "replica_of": self.replica_of,
+            "committed_at": self.committed_at,
+            "inode": self.inode,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> _Record:
+        """ValueError unless ``doc`` is a record this store wrote."""
+        if not isinstance(doc, dict):
+            raise ValueError("a record is an object")
+        size, inode, checksum = doc.get("size"), doc.get("inode"), doc.get("checksum")
+        replica_of, committed_at = doc.get("replica_of"), doc.get("committed_at")
+        if not (isinstance(size, int) and isinstance(inode, int) and isinstance(checksum, str)):
+            raise ValueError("size, inode and checksum are missing or mistyped")
+        if not (replica_of is None or isinstance(replica_of, str)):
+            raise ValueError("replica_of is neither null nor a string")
+        if not isinstance(committed_at, int | float) or isinstance(committed_at, bool):
+            raise ValueError("committed_at is not a number")
+        return cls(size, _normalized_checksum(checksum), replica_of, float(committed_at), inode)
+
+
+def _read_sidecar(path: Path) -> tuple[_Record, _Record | None] | None:
+    """(current, previous) from a sidecar; None if it is missing or not one this store wrote."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(doc, dict) or doc.get("version") != META_VERSION:
+            return None
+        previous = doc.get("previous")
+        return _Record.from_json(doc.get("current")), None if previous is None else _Record.from_json(
+            previous
+        )
+    except (OSError, ValueError):
+        return None
+
+
+def _write_sidecar(path: Path, *, current: _Record, previous: _Record | None) -> None:
+    """Replace the sidecar at ``path`` atomically (temp file, then rename)."""
+    doc = {
+        "version": META_VERSION,
+        "current": current.to_json(),
+        "previous": None if previous is None else previous.to_json(),
+    }
+    temp = path.with_name(_temp_name(int(path.stem), META_SUFFIX))
+    try:
+        temp.write_text(json.dumps(doc), encoding="utf-8")
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """An index entry: a committed shard and the inode of its data file."""
+
+    info: ShardInfo
+    inode: int
+
+    @property
+    def record(self) -> _Record:
+        info = self.info
+        return _Record(info.size, info.checksum, info.replica_of, info.committed_at, self.inode)
+
+
+# ---------------------------------------------------------------------------------------- reservation
+
+_State = Literal["open", "committed", "aborted"]
+
+
+class Reservation:
+    """A shard being written: room reserved in the budget and a temporary file mapped for writing.
+
+    Use: ``buffer()``, fill it, then ``commit()`` or ``abort()``. Either one ends the reservation; it
+    is also a context manager that aborts on exit unless committed. Release the views that
+    ``buffer()`` returned (``view.release()`` or ``with reservation.buffer() as view:``) before
+    commit or abort, so the mapping is unmapped at once; a view still held keeps the mapping (not
+    the reservation) alive until it is released. One writer per reservation.
+    """
+
+    def __init__(self, *, store: ShardStore, key: ShardKey, size: int, temp_path: Path) -> None:
+        self._store = store
+        self._key = key
+        self._size = size
+        self._temp_path = temp_path
+        self._mapping: mmap.mmap | None = None
+        self._inode = 0
+        self._state: _State = "open"
+        self._cancelled = False
+
+    @property
+    def key(self) -> ShardKey:
+        return self._key
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.abort()
+
+    def buffer(self) -> memoryview:
+        """A writable view over the new file, exactly ``size`` bytes long (size 0: an empty view)."""
+        self._require_open()
+        if self._mapping is None:
+            return memoryview(bytearray())
+        return memoryview(self._mapping)
+
+    def commit(self, *, checksum: str, replica_of: str | None = None, verify: bool = True) -> ShardInfo:
+        """Make the written bytes the shard of ``key``, replacing any shard of that key, atomically.
+
+        ``verify``: hash the written bytes first (outside the store's lock). Either the shard is
+        stored and its info returned, or the reservation is aborted (nothing stored) and this raises:
+        CorruptShard (bytes do not match ``checksum``), ValueError (``checksum`` is not a base64
+        16-byte digest), ReservationCancelled (namespace deleted meanwhile) or OSError.
+        """
+        self._require_open()
+        try:
+            expected = _normalized_checksum(checksum)
+            if verify:
+                self._verify(expected)
+            self._release_mapping()
+            return self._store._publish(self, checksum=expected, replica_of=replica_of)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Release the reserved bytes and delete the temporary file. Idempotent; no-op after commit."""
+        self._store._release(self)
+
+    # -- used by the store
+
+    def _prepare(self, fd: int) -> None:
+        """Size the new file, allocate its memory now (ENOSPC here, not SIGBUS later), map it."""
+        try:
+            if self._size > 0:
+                _preallocate(fd, self._size)
+                os.ftruncate(fd, self._size)
+                self._mapping = mmap.mmap(fd, self._size)
+            self._inode = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+
+    def _verify(self, expected: str) -> None:
+        actual = checksum_of(self._mapping if self._mapping is not None else b"")
+        if actual != expected:
+            self._store._count_checksum_failure()
+            raise CorruptShard(self._key, detail=f"the bytes received hash to {actual}, not {expected}")
+
+    def _release_mapping(self) -> None:
+        if self._mapping is not None:
+            with contextlib.suppress(BufferError):  # a view is still held: unmapped when it is released
+                self._mapping.close()
+            self._mapping = None
+
+    def _require_open(self) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"the reservation for {self._key} is already {self._state}")
+
+
+def _preallocate(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+
+
+# ---------------------------------------------------------------------------------------- the store
+
+
+class ShardStore:
+    """Shards in files under ``root``, indexed in memory, within a memory budget (0: tiering off)."""
+
+    def __init__(self, root: Path, *, budget_bytes: int = 0, clock: Callable[[], float] = time.time) -> None:
+        """Create ``root`` if needed and rebuild the index from it (see the module docstring).
+
+        Shards found are kept even beyond ``budget_bytes``; the next ``set_budget`` evicts down.
+        """
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must not be negative (got {budget_bytes})")
+        self._root = Path(root)
+        self._budget = budget_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._index: dict[ShardKey, _Entry] = {}
+        self._committed_bytes = 0
+        self._reserved_bytes = 0
+        self._reservations: set[Reservation] = set()
+        self._counters = StoreCounters()
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._recover()
+
+    # -- properties
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Committed shards plus reservations in flight."""
+        with self._lock:
+            return self._in_use_locked()
+
+    @property
+    def shard_count(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    @property
+    def counters(self) -> StoreCounters:
+        """A snapshot of the counters."""
+        with self._lock:
+            return replace(self._counters)
+
+    # -- budget
+
+    def set_budget(self, budget_bytes: int, *, protect: ProtectFn = _nothing_protected) -> list[ShardKey]:
+        """Set the budget; a smaller one evicts down to it, oldest step first; returns what was evicted.
+
+        Protected steps and steps being written are kept even if the budget cannot be reached
+        without them; the other evictions still happen (the budget is in force either way).
+        """
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must not be negative (got {budget_bytes})")
+        with self._lock:
+            self._budget = budget_bytes
+            if self._in_use_locked() <= budget_bytes:
+                return []
+        protected = frozenset(protect())
+        with self._lock:
+            excess = self._in_use_locked() - self._budget
+            if excess <= 0:
+                return []
+            plan, _ = self._plan_locked(excess=excess, exclude=protected)
+            return self._evict_locked(plan)
+
+    def reserve(self, key: ShardKey, size: int, *, protect: ProtectFn = _nothing_protected) -> Reservation:
+        """Room for ``size`` bytes of ``key`` and a file to write them into (see ``Reservation``).
+
+        If the budget is short, evicts whole steps, oldest first, never a step in ``protect()``
+        (called only then), ``key``'s own step or a step being written; raises BudgetExceeded,
+        evicting nothing, when that cannot make the shard fit or the budget is 0 (tiering off).
+        Raises OSError if the memory cannot be allocated (tmpfs full).
+        """
+        _check_key(key)
+        if size < 0:
+            raise ValueError(f"size must not be negative (got {size})")
+        reservation, fd = self._reserve_locked_or_evict(key, size, protect)
+        try:
+            reservation._prepare(fd)
+        except BaseException:
+            reservation.abort()
+            raise
+        return reservation
+
+    def _reserve_locked_or_evict(
+        self, key: ShardKey, size: int, protect: ProtectFn
+    ) -> tuple[Reservation, int]:
+        with self._lock:
+            self._check_can_ever_fit(size)
+            if self._in_use_locked() + size <= self._budget:
+                return self._open_locked(key, size)
+        protected = frozenset(protect())
+        with self._lock:
+            self._check_can_ever_fit(size)
+            in_use = self._in_use_locked()
+            excess = in_use + size - self._budget
+            if excess > 0:
+                plan, freed = self._plan_locked(
+                    excess=excess, exclude=protected | {(key.namespace, key.step)}
+                )
+                if freed < excess:
+                    raise BudgetExceeded(
+                        needed=size,
+                        budget=self._budget,
+                        in_use=in_use,
+                        message=(
+                            f"cannot store {size} bytes: the memory budget is {self._budget} bytes, {in_use} "
+                            f"bytes are in use, and evicting every step that is not protected, being written "
+                            f"or the shard's own would free only {freed} bytes; nothing was evicted"
+                        ),
+                    )
+                self._evict_locked(plan)
+            return self._open_locked(key, size)
+
+    def _check_can_ever_fit(self, size: int) -> None:
+        in_use = self._in_use_locked()
+        if self._budget == 0:
+            raise BudgetExceeded(
+                needed=size,
+                budget=0,
+                in_use=in_use,
+                message=f"tiered storage is off (memory budget 0 bytes): cannot store {size} bytes "
+                f"({in_use} bytes in use)",
+            )
+        if size > self._budget:
+            raise BudgetExceeded(
+                needed=size,
+                budget=self._budget,
+                in_use=in_use,
+                message=f"a shard of {size} bytes is larger than the whole memory budget of {self._budget} "
+                f"bytes ({in_use} bytes in use)",
+            )
+
+    def _in_use_locked(self) -> int:
+        return self._committed_bytes + self._reserved_bytes
+
+    def _plan_locked(self, *, excess: int, exclude: AbstractSet[StepId]) -> tuple[list[StepId], int]:
+        """Steps to evict, oldest first, until ``excess`` bytes are freed (or none are left); bytes freed."""
+        busy = {(r.key.namespace, r.key.step) for r in self._reservations}
+        newest: dict[StepId, float] = {}
+        sizes: dict[StepId, int] = {}
+        for key, entry in self._index.items():
+            step = (key.namespace, key.step)
+            newest[step] = max(newest.get(step, entry.info.committed_at), entry.info.committed_at)
+            sizes[step] = sizes.get(step, 0) + entry.info.size
+        plan: list[StepId] = []
+        freed = 0
+        for step in sorted(newest, key=lambda s: (newest[s], s)):
+            if freed >= excess:
+                break
+            if step in exclude or step in busy or sizes[step] == 0:
+                continue
+            plan.append(step)
+            freed += sizes[step]
+        return plan, freed
+
+    def _evict_locked(self, steps: Iterable[StepId]) -> list[ShardKey]:
+        doomed = set(steps)
+        keys = sorted(key for key in self._index if (key.namespace, key.step) in doomed)
+        for key in keys:
+            self._remove_locked(key)
+        self._counters.evictions_total += len(keys)
+        return keys
+
+    # -- writing
+
+    def _open_locked(self, key: ShardKey, size: int) -> tuple[Reservation, int]:
+        """A new reservation and the fd of its (empty) temporary file; counted in in_use at once."""
+        directory = self._shard_dir(key)
+        directory.mkdir(parents=True, exist_ok=True)
+        temp = directory / _temp_name(key.step, DATA_SUFFIX)
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        reservation = Reservation(store=self, key=key, size=size, temp_path=temp)
+        self._reservations.add(reservation)
+        self._reserved_bytes += size
+        return reservation, fd
+
+    def _publish(self, reservation: Reservation, *, checksum: str, replica_of: str | None) -> ShardInfo:
+        """Commit steps 2 and 3 (module docstring), then the index."""
+        key = reservation.key
+        with self._lock:
+            reservation._require_open()
+            if reservation._cancelled:
+                raise ReservationCancelled(key)
+            old = self._index.get(key)
+            data_path = self._data_path(key)
+            record = _Record(reservation.size, checksum, replica_of, self._clock(), reservation._inode)
+            _write_sidecar(
+                data_path.with_suffix(META_SUFFIX),
+                current=record,
+                previous=None if old is None else old.record,
+            )
+            os.replace(reservation._temp_path, data_path)
+            self._end_reservation_locked(reservation, state="committed")
+            if old is not None:
+                self._committed_bytes -= old.info.size
+            entry = _Entry(
+                ShardInfo(key, record.size, checksum, replica_of, data_path, record.committed_at),
+                record.inode,
+            )
+            self._index[key] = entry
+            self._committed_bytes += record.size
+            self._counters.bytes_written_total += record.size
+            return entry.info
+
+    def _release(self, reservation: Reservation) -> None:
+        with self._lock:
+            if reservation._state != "open":
+                return
+            self._end_reservation_locked(reservation, state="aborted")
+            reservation._temp_path.unlink(missing_ok=True)
+            _prune_empty_dirs(reservation._temp_path.parent, stop=self._root)
+
+    def _end_reservation_locked(self, reservation: Reservation, *, state: _State) -> None:
+        reservation._state = state
+        reservation._release_mapping()
+        self._reservations.discard(reservation)
+        self._reserved_bytes -= reservation.size
+
+    def _count_checksum_failure(self) -> None:
+        with self._lock:
+            self._counters.checksum_failures_total += 1
+
+    # -- reading
+
+    def get(self, key: ShardKey) -> ShardInfo | None:
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else entry.info
+
+    def read_verified(self, key: ShardKey) -> tuple[ShardInfo, memoryview]:
+        """The shard's info and a read-only view of its file, once its checksum has been verified.
+
+        The view maps the file; release it with ``view.release()`` (or ``with view:``), which unmaps
+        it at once (otherwise it is unmapped when the view is garbage-collected). Hashing runs
+        outside the lock: call this from a worker thread for big shards. KeyError if the shard is
+        not stored; CorruptShard if the copy fails its checksum, in which case it is counted and
+        removed from the index and the disk.
+        """
+        entry, fd = self._open_entry(key)
+        try:
+            mapping = self._verified_mapping(entry, fd)
+        finally:
+            os.close(fd)
+        return entry.info, memoryview(mapping) if mapping is not None else memoryview(b"")
+
+    def open_verified(self, key: ShardKey) -> tuple[ShardInfo, BufferedReader]:
+        """Like ``read_verified``, but a file opened for reading (e.g. for sendfile); the caller closes it."""
+        entry, fd = self._open_entry(key)
+        try:
+            mapping = self._verified_mapping(entry, fd)
+            if mapping is not None:
+                mapping.close()
+            return entry.info, open(fd, "rb")  # the caller closes it
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _open_entry(self, key: ShardKey) -> tuple[_Entry, int]:
+        """The index entry and an fd of its file, opened under the lock so that they agree."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                raise KeyError(key)
+            try:
+                return entry, os.open(entry.info.path, os.O_RDONLY)
+            except FileNotFoundError:
+                self._counters.checksum_failures_total += 1
+                self._remove_locked(key)
+        raise CorruptShard(key, detail="its file is gone; the copy was dropped")
+
+    def _verified_mapping(self, entry: _Entry, fd: int) -> mmap.mmap | None:
+        """A read-only mapping of ``fd`` (None for an empty shard) whose bytes match the checksum."""
+        info = entry.info
+        size = os.fstat(fd).st_size
+        if size != info.size:
+            problem = f"its file holds {size} bytes, not {info.size}"
+        else:
+            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+            actual = checksum_of(mapping if mapping is not None else b"")
+            if actual == info.checksum:
+                return mapping
+            if mapping is not None:
+                mapping.close()
+            problem = f"its bytes hash to {actual}, not {info.checksum}"
+        with self._lock:
+            self._counters.checksum_failures_total += 1
+            if self._index.get(info.key) is entry:
+                self._remove_locked(info.key)
+        raise CorruptShard(info.key, detail=f"{problem}; the copy was dropped")
+
+    def shards(self, namespace: str | None = None) -> list[ShardInfo]:
+        """Committed shards (of one namespace, or all), ordered by key."""
+        with self._lock:
+            return [
+                entry.info
+                for key, entry in sorted(self._index.items())
+                if namespace is None or key.namespace == namespace
+            ]
+
+    def steps(self, namespace: str) -> dict[int, set[int]]:
+        """step -> ranks held here (primary or replica) for one namespace."""
+        held: dict[int, set[int]] = {}
+        with self._lock:
+            for key in self._index:
+                if key.namespace == namespace:
+                    held.setdefault(key.step, set()).add(key.rank)
+        return held
+
+    # -- removing
+
+    def delete(self, key: ShardKey) -> bool:
+        """Remove one shard; False if it was not stored."""
+        with self._lock:
+            return self._remove_locked(key)
+
+    def delete_namespace(self, namespace: str) -> int:
+        """Remove every shard of a namespace; writes in flight to it will fail to commit. Shards removed."""
+        with self._lock:
+            keys = [key for key in self._index if key.namespace == namespace]
+            for key in keys:
+                self._remove_locked(key)
+            for reservation in self._reservations:
+                if reservation.key.namespace == namespace:
+                    reservation._cancelled = True
+            return len(keys)
+
+    def clear(self) -> None:
+        """Remove every shard (cluster reset, node loss); writes in flight will fail to commit."""
+        with self._lock:
+            for key in list(self._index):
+                self._remove_locked(key)
+            for reservation in self._reservations:
+                reservation._cancelled = True
+
+    def enforce_retention(
+        self, namespace: str, keep_steps: int, *, protect: ProtectFn = _nothing_protected
+    ) -> list[ShardKey]:
+        """Keep the newest ``keep_steps`` steps (by number) of a namespace; evict older ones not protected.
+
+        Steps being written are kept too. Counts as evictions; returns the shards removed.
+        """
+        if keep_steps < 0:
+            raise ValueError(f"keep_steps must not be negative (got {keep_steps})")
+        with self._lock:
+            if not self._older_steps_locked(namespace, keep_steps):
+                return []
+        protected = frozenset(protect())
+        with self._lock:
+            busy = {(r.key.namespace, r.key.step) for r in self._reservations}
+            doomed = [
+                (namespace, step)
+                for step in self._older_steps_locked(namespace, keep_steps)
+                if (namespace, step) not in protected and (namespace, step) not in busy
+            ]
+            return self._evict_locked(doomed)
+
+    def _older_steps_locked(self, namespace: str, keep_steps: int) -> list[int]:
+        steps = sorted({key.step for key in self._index if key.namespace == namespace}, reverse=True)
+        return steps[keep_steps:]
+
+    def _remove_locked(self, key: ShardKey) -> bool:
+        """Drop a shard from the index and the disk (data first, then its sidecar)."""
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return False
+        self._committed_bytes -= entry.info.size
+        entry.info.path.unlink(missing_ok=True)
+        entry.info.path.with_suffix(META_SUFFIX).unlink(missing_ok=True)
+        _prune_empty_dirs(entry.info.path.parent, stop=self._root)
+        return True
+
+    # -- layout and recovery
+
+    def _shard_dir(self, key: ShardKey) -> Path:
+        return self._root / _encode_namespace(key.namespace) / str(key.rank)
+
+    def _data_path(self, key: ShardKey) -> Path:
+        return self._shard_dir(key) / f"{key.step}{DATA_SUFFIX}"
+
+    def _recover(self) -> None:
+        """Rebuild the index from the files under root; remove what uncommitted writes left behind."""
+        for ns_dir in _subdirs(self._root):
+            namespace = _decode_namespace(ns_dir.name)
+            if namespace is None:
+                continue
+            for rank_dir in _subdirs(ns_dir):
+                rank = _decimal(rank_dir.name)
+                if rank is not None:
+                    self._recover_rank_dir(namespace, rank, rank_dir)
+                    _prune_empty_dirs(rank_dir, stop=self._root)
+
+    def _recover_rank_dir(self, namespace: str, rank: int, directory: Path) -> None:
+        steps: set[int] = set()
+        for name in os.listdir(directory):
+            if _is_temp_name(name):
+                (directory / name).unlink(missing_ok=True)
+                continue
+            stem, dot, suffix = name.partition(".")
+            step = _decimal(stem)
+            if step is not None and f"{dot}{suffix}" in (DATA_SUFFIX, META_SUFFIX):
+                steps.add(step)
+        for step in sorted(steps):
+            self._recover_shard(ShardKey(namespace, rank, step))
+
+    def _recover_shard(self, key: ShardKey) -> None:
+        data_path = self._data_path(key)
+        meta_path = data_path.with_suffix(META_SUFFIX)
+        record = _matching_record(data_path, meta_path)
+        if record is None:
+            data_path.unlink(missing_ok=True)
+            meta_path.unlink(missing_ok=True)
+            return
+        info = ShardInfo(key, record.size, record.checksum, record.replica_of, data_path, record.committed_at)
+        self._index[key] = _Entry(info, record.inode)
+        self._committed_bytes += record.size
+
+
+def _subdirs(directory: Path) -> list[Path]:
+    return sorted(path for path in directory.iterdir() if path.is_dir() and not path.is_symlink())
+
+
+def _matching_record(data_path: Path, meta_path: Path) -> _Record | None:
+    """The sidecar record that describes the data file as it is, or None (an uncommitted leftover).
+
+    A match on ``previous`` (a replacement that crashed before its data rename) rewrites the sidecar.
+    """
+    sidecar = _read_sidecar(meta_path)
+    try:
+        stat = data_path.lstat()
+    except FileNotFoundError:
+        return None
+    if sidecar is None or not S_ISREG(stat.st_mode):
+        return None
+    current, previous = sidecar
+    for record in (current, previous):
+        if record is not None and record.inode == stat.st_ino and record.size == stat.st_size:
+            if record is previous:
+                _write_sidecar(meta_path, current=record, previous=None)
+            return record
+    return None
