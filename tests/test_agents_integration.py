@@ -119,6 +119,16 @@ def test_rollout_budget_and_ring(agent_plane: ControlPlane, sm: Any) -> None:
     assert "Cluster update started; policy generation 2." in texts
     assert texts[-1] == "Cluster is InService with 4 nodes; policy generation 2 applied on every node."
 
+    # Mode: Disable: every agent drops the tiered-storage role (no budget, no replicas).
+    sm.update_cluster(ClusterName="ring", TieredStorageConfig={"Mode": "Disable"})
+    wait_status(sm, "ring", "InService")
+    for node in nodes(agent_plane, "ring"):
+        policy = agent_policy(node)
+        assert policy["generation"] == 3
+        assert policy["tiered_storage"] == {"enabled": False, "memory_percentage": None}
+        assert policy["memory_budget_bytes"] == 0
+        assert policy["replication"] == {"factor": 0, "peers": []}
+
 
 def test_scaling_starts_and_stops_agent_processes(agent_plane: ControlPlane, sm: Any) -> None:
     create_tiered(sm, "scale", 2)
