@@ -6,15 +6,17 @@ import json
 from collections.abc import Awaitable, Callable
 
 from agents.httpserver import Request, Response, error_response, json_response
-from agents.metrics import CONTENT_TYPE, agent_metrics, render
+from agents.metrics import CONTENT_TYPE, agent_metrics, render, tier_metrics
 from agents.state import AgentState, ApplyStatus, AuthStatus
+from agents.tier import MemoryTier
 
 _BEARER = (("WWW-Authenticate", 'Bearer realm="hyperpod-sim-agent"'),)
 
 
 class AgentApp:
-    def __init__(self, *, state: AgentState) -> None:
+    def __init__(self, *, state: AgentState, tier: MemoryTier | None = None) -> None:
         self._state = state
+        self._tier = tier
         self._routes: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {
             "/health": {"GET": self.health},
             "/v1/policy": {"GET": self.get_policy, "PUT": self.put_policy},
@@ -22,6 +24,10 @@ class AgentApp:
         }
 
     async def __call__(self, request: Request) -> Response:
+        if self._tier is not None and request.path.startswith("/v1/"):
+            answer = await self._tier.handle(request)
+            if answer is not None:
+                return answer
         methods = self._routes.get(request.path.rstrip("/") or "/")
         if methods is None:
             return error_response(404, "NotFound", f"no route {request.path}")
@@ -66,8 +72,9 @@ class AgentApp:
                 403, "InvalidToken", f"the token is not the cluster token of {state.cluster}"
             )
         state.counters.policy_pushes_total += 1
+        body = await request.read_body()
         try:
-            doc = json.loads(request.body)
+            doc = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             return error_response(400, "InvalidPolicy", f"the body is not JSON: {exc}")
         outcome = state.apply_policy(doc)
@@ -80,5 +87,8 @@ class AgentApp:
         return json_response(200, {"applied_generation": outcome.applied_generation})
 
     async def metrics(self, request: Request) -> Response:
-        body = render(agent_metrics(self._state)).encode()
+        metrics = agent_metrics(self._state)
+        if self._tier is not None:
+            metrics += tier_metrics(self._tier)
+        body = render(metrics).encode()
         return Response(status=200, body=body, content_type=CONTENT_TYPE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,6 +39,15 @@ class AgentSettings(BaseSettings):
         "(loopback when --host is a wildcard address).",
     )
     data_dir: Path | None = Field(default=None, description="Directory for this node's local state.")
+    shm_dir: Path | None = Field(
+        default=None,
+        description="Shared-memory directory of the in-memory tier; default /dev/shm/hpsim/<node id>.",
+    )
+    replication: Literal["async", "sync"] = Field(
+        default="async",
+        description="async: a save is answered once the local copy is in memory, and replicated "
+        "right after (the replication lag metric shows the window); sync: once the replicas are too.",
+    )
     instance_type: str | None = Field(default=None, description="Instance type reported at registration.")
     memory_bytes: int | None = Field(
         default=None, ge=0, description="Memory reported at registration. Default: this machine's."

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from agents.app import AgentApp
 from agents.config import AgentSettings
@@ -22,6 +23,8 @@ from agents.control_plane import ControlPlaneClient
 from agents.httpserver import HttpServer
 from agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
 from agents.state import AgentState
+from agents.store import ShardStore
+from agents.tier import MemoryTier
 
 log = logging.getLogger("agents")
 
@@ -79,9 +82,16 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
         # With a node id the token is the cluster token; without, only registration tells it.
         cluster_token=settings.token if local_mode else None,
     )
-    server = HttpServer(handler=AgentApp(state=state), sock=sock)
-    await server.start()
     port: int = sock.getsockname()[1]
+    shm_dir = settings.shm_dir or Path("/dev/shm/hpsim") / (settings.node_id or f"{settings.cluster}-{port}")
+    tier = MemoryTier(
+        state=state,
+        store=ShardStore(shm_dir),
+        control_plane_url=settings.control_plane,
+        replication=settings.replication,
+    )
+    server = HttpServer(handler=AgentApp(state=state, tier=tier), sock=sock)
+    await server.start()
     endpoint = settings.endpoint(port)
     print(
         f"hyperpod-sim agent on {endpoint} (cluster {settings.cluster}, "
@@ -132,6 +142,7 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
             task.cancel()
         await asyncio.gather(loop_task, stop_task, return_exceptions=True)
         await server.close()
+        await tier.aclose()
         await client.aclose()
         for signum in signals:
             with contextlib.suppress(Exception):

@@ -4,11 +4,13 @@ handful of unlabelled gauges and counters."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from agents.state import AgentState
+from agents.tier import MemoryTier
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -96,5 +98,72 @@ def agent_metrics(state: AgentState) -> list[Metric]:
             kind="counter",
             help="Authorised policy pushes received (a repeated generation counts too).",
             value=counters.policy_pushes_total,
+        ),
+    ]
+
+
+def tier_metrics(tier: MemoryTier) -> list[Metric]:
+    """The in-memory checkpoint tier: what it holds and how its copies fare."""
+    store, counters = tier.store, tier.store.counters
+    return [
+        Metric(
+            name="hpsim_tier_bytes_held",
+            kind="gauge",
+            help="Bytes of shards held (own and replicas).",
+            value=store.in_use_bytes,
+        ),
+        Metric(
+            name="hpsim_tier_budget_bytes",
+            kind="gauge",
+            help="Memory budget of the tier.",
+            value=store.budget_bytes,
+        ),
+        Metric(
+            name="hpsim_tier_shards",
+            kind="gauge",
+            help="Shards held (own and replicas).",
+            value=store.shard_count,
+        ),
+        Metric(
+            name="hpsim_tier_evictions_total",
+            kind="counter",
+            help="Shards evicted (budget or retention).",
+            value=counters.evictions_total,
+        ),
+        Metric(
+            name="hpsim_tier_checksum_failures_total",
+            kind="counter",
+            help="Uploads refused and stored copies dropped for a checksum mismatch.",
+            value=counters.checksum_failures_total,
+        ),
+        Metric(
+            name="hpsim_tier_replications_total",
+            kind="counter",
+            help="Replicas sent to peers.",
+            value=tier.counters.replications_total,
+        ),
+        Metric(
+            name="hpsim_tier_replication_failures_total",
+            kind="counter",
+            help="Replicas that could not be sent.",
+            value=tier.counters.replication_failures_total,
+        ),
+        Metric(
+            name="hpsim_tier_replication_pending",
+            kind="gauge",
+            help="Shards stored here and not yet on every replica peer.",
+            value=len(tier.counters.replication_pending),
+        ),
+        Metric(
+            name="hpsim_tier_replication_lag_seconds",
+            kind="gauge",
+            help="Age of the oldest shard not yet on every replica peer (0: none).",
+            value=tier.counters.replication_lag_s(time.time()),
+        ),
+        Metric(
+            name="hpsim_tier_remote_reads_total",
+            kind="counter",
+            help="Reads served from another agent's copy.",
+            value=tier.counters.remote_reads_total,
         ),
     ]

@@ -105,7 +105,11 @@ class NamespaceCreation(BaseModel):
     steps_retained: int = Field(description="Steps kept per rank; capped at the cluster's retention.")
 
 
-@router.get("/clusters/{cluster}/namespaces", summary="The cluster's checkpoint namespaces")
+@router.get(
+    "/clusters/{cluster}/namespaces",
+    summary="The cluster's checkpoint namespaces",
+    description="Every namespace trainers created through any agent of the cluster.",
+)
 async def list_namespaces(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(services.agents.list_namespaces, cluster_name=cluster, token=bearer(request))
 
@@ -121,7 +125,11 @@ async def get_namespace(cluster: str, name: str, request: Request, services: Ser
 
 
 @router.post(
-    "/clusters/{cluster}/namespaces/{name}", summary="Create a checkpoint namespace", status_code=201
+    "/clusters/{cluster}/namespaces/{name}",
+    summary="Create a checkpoint namespace",
+    description="What an agent does when a trainer creates a namespace through it (409 if it exists). "
+    "The retention is capped at the cluster's in-memory retention.",
+    status_code=201,
 )
 async def create_namespace(
     cluster: str, name: str, body: NamespaceCreation, request: Request, services: ServicesDep
@@ -139,13 +147,21 @@ async def create_namespace(
     return response
 
 
-@router.delete("/clusters/{cluster}/namespaces/{name}", summary="Delete a checkpoint namespace")
+@router.delete(
+    "/clusters/{cluster}/namespaces/{name}",
+    summary="Delete a checkpoint namespace",
+    description="The agent that received the trainer's delete then removes the data on every agent.",
+)
 async def delete_namespace(cluster: str, name: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(
         services.agents.delete_namespace, cluster_name=cluster, token=bearer(request), name=name
     )
 
 
-@router.post("/clusters/{cluster}/namespaces-reset", summary="Delete every namespace of the cluster")
+@router.post(
+    "/clusters/{cluster}/namespaces-reset",
+    summary="Delete every namespace of the cluster",
+    description="The control plane's half of the protocol's cluster reset.",
+)
 async def reset_namespaces(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(services.agents.reset_namespaces, cluster_name=cluster, token=bearer(request))

@@ -44,6 +44,7 @@ def build_services(
             control_plane_url=settings.control_plane_url(),
             data_dir=settings.data_dir.resolve(),
             heartbeat_interval_s=provisioning.heartbeat_interval_s,
+            shm_root=settings.simulation.shm_root,
         )
     reconciler = Reconciler(
         db=db,

@@ -13,9 +13,10 @@ DEFAULT_REPLICATION_FACTOR = 1
 
 
 def ring(cluster: Cluster, nodes: Sequence[Node]) -> list[Node]:
-    """The cluster's nodes in a stable ring order: group position, launch time, node id."""
+    """The cluster's nodes in a stable ring order: group position, then slot in the group (a
+    replacement takes the slot, so the ring position, of the node it replaces)."""
     position = {group.name: group.position for group in cluster.instance_groups}
-    return sorted(nodes, key=lambda n: (position.get(n.group_name, 1 << 30), n.launch_time, n.id))
+    return sorted(nodes, key=lambda n: (position.get(n.group_name, 1 << 30), n.slot, n.launch_time, n.id))
 
 
 def memory_budget_bytes(cluster: Cluster, instance_type: str, memory_scale: float) -> int:

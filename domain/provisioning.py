@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -111,11 +112,17 @@ class LocalProvisioner:
     control_plane_url: str
     data_dir: Path
     heartbeat_interval_s: float
+    shm_root: Path = Path("/dev/shm/hpsim")
     kill_grace_s: float = 5.0
     uses_agents: bool = True
     _children: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     # pid -> when SIGTERM was sent, for the SIGKILL of agents that do not stop.
     _stopping: dict[int, float] = field(default_factory=dict)
+    # Shared memory of deleted nodes, removed once their agent is gone: node id -> pids.
+    _wipe: dict[str, list[int]] = field(default_factory=dict)
+
+    def shm_dir(self, node_id: str) -> Path:
+        return self.shm_root / node_id
 
     def launch(self, cluster: Cluster, node: Node) -> None:
         if find_agent_pids(node.id):
@@ -124,18 +131,13 @@ class LocalProvisioner:
         agent_dir.mkdir(parents=True, exist_ok=True)
         argv = [
             *self.command,
-            "--control-plane",
-            self.control_plane_url,
-            "--cluster",
-            cluster.name,
-            "--node-id",
-            node.id,
-            "--instance-type",
-            node.instance_type,
-            "--data-dir",
-            str(agent_dir),
-            "--heartbeat-interval",
-            str(self.heartbeat_interval_s),
+            *("--control-plane", self.control_plane_url),
+            *("--cluster", cluster.name),
+            *("--node-id", node.id),
+            *("--instance-type", node.instance_type),
+            *("--data-dir", str(agent_dir)),
+            *("--shm-dir", str(self.shm_dir(node.id))),
+            *("--heartbeat-interval", str(self.heartbeat_interval_s)),
         ]
         # The token travels in the environment, not on the command line that `ps` shows.
         env = {**os.environ, "HPSIM_AGENT_TOKEN": cluster.token}
@@ -148,13 +150,16 @@ class LocalProvisioner:
         log.info("started agent of %s (pid %d)", node.id, process.pid)
 
     def terminate(self, node: Node) -> None:
-        for pid in find_agent_pids(node.id):
+        """Stop the agent of a deleted node; its shared memory goes once the agent has exited."""
+        pids = find_agent_pids(node.id)
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGTERM)
                 os.kill(pid, signal.SIGCONT)  # a stopped (hung) agent must wake to see the TERM
             except ProcessLookupError:
                 continue
             self._stopping[pid] = time.monotonic()
+        self._wipe[node.id] = pids
 
     def is_running(self, node: Node) -> bool:
         return bool(find_agent_pids(node.id))
@@ -175,6 +180,10 @@ class LocalProvisioner:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 del self._stopping[pid]
+        for node_id, pids in list(self._wipe.items()):
+            if not any(os.path.exists(f"/proc/{pid}") for pid in pids):
+                shutil.rmtree(self.shm_dir(node_id), ignore_errors=True)
+                del self._wipe[node_id]
 
 
 def make_provisioner(
@@ -184,6 +193,7 @@ def make_provisioner(
     control_plane_url: str,
     data_dir: Path,
     heartbeat_interval_s: float,
+    shm_root: Path,
 ) -> Provisioner:
     if mode == "simulated":
         return SimulatedProvisioner()
@@ -194,4 +204,5 @@ def make_provisioner(
         control_plane_url=control_plane_url,
         data_dir=data_dir,
         heartbeat_interval_s=heartbeat_interval_s,
+        shm_root=shm_root,
     )

@@ -218,9 +218,11 @@ class Reconciler:
         if self.provisioner.uses_agents:
             self._detect_failures(session, cluster, now, outcome)
 
+        members_before = {n.id for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN}
         live_by_group: dict[str, list[Node]] = {}
         for node in cluster.nodes:
-            live_by_group.setdefault(node.group_name, []).append(node)
+            if node.status != NodeStatus.SHUTTING_DOWN:  # on its way out: not part of any group
+                live_by_group.setdefault(node.group_name, []).append(node)
 
         # 2. Groups being deleted drain their nodes, then disappear.
         for group in list(cluster.instance_groups):
@@ -274,6 +276,12 @@ class Reconciler:
         if any(n.status == NodeStatus.SHUTTING_DOWN for n in cluster.nodes):
             converged = False
             outcome.again = True
+
+        # The node set changed outside an update (a scale step after BatchDeleteClusterNodes, ...):
+        # the replica ring changed, so every node needs a new policy generation.
+        members_after = {n.id for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN}
+        if members_after != members_before and cluster.status == ClusterStatus.IN_SERVICE:
+            cluster.generation += 1
 
         if self.provisioner.uses_agents:
             self._claim_pushes(cluster, now, outcome)
@@ -356,7 +364,7 @@ class Reconciler:
                 group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
                 node.status = NodeStatus.SHUTTING_DOWN
                 if group is not None and group.status != GroupStatus.DELETING:
-                    replacement = self._new_node(session, cluster, group, now, outcome)
+                    replacement = self._new_node(session, cluster, group, now, outcome, slot=node.slot)
                     events.record(
                         session,
                         ids=self.ids,
@@ -374,11 +382,27 @@ class Reconciler:
             cluster.generation += 1  # the ring changed: every node's replica peers may have
 
     def _new_node(
-        self, session: Session, cluster: Cluster, group: InstanceGroup, now: datetime, outcome: Outcome
+        self,
+        session: Session,
+        cluster: Cluster,
+        group: InstanceGroup,
+        now: datetime,
+        outcome: Outcome,
+        *,
+        slot: int | None = None,
     ) -> Node:
-        """A Pending node in ``group``; its agent starts once the transaction has committed."""
+        """A Pending node in ``group`` (in ``slot``, or the lowest free one); its agent starts once
+        the transaction has committed."""
+        if slot is None:
+            taken = {
+                n.slot
+                for n in cluster.nodes
+                if n.group_name == group.name and n.status != NodeStatus.SHUTTING_DOWN
+            }
+            slot = next(i for i in range(len(taken) + 1) if i not in taken)
         node_id = self.ids.node_id()
         node = Node(
+            slot=slot,
             id=node_id,
             cluster_id=cluster.id,
             group_name=group.name,

@@ -43,6 +43,8 @@ _AGENT_FLAGS = (
     "port",
     "advertise_host",
     "data_dir",
+    "shm_dir",
+    "replication",
     "instance_type",
     "heartbeat_interval_s",
     "memory_bytes",
@@ -111,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--port", type=int, help="port of the agent API (default 0: any free port)")
     agent.add_argument("--advertise-host", help="host to reach this agent at (default: --host)")
     agent.add_argument("--data-dir", help="directory for this node's local state")
+    agent.add_argument(
+        "--shm-dir",
+        help="shared-memory directory of the in-memory checkpoint tier (default /dev/shm/hpsim/<node>)",
+    )
+    agent.add_argument(
+        "--replication",
+        choices=["async", "sync"],
+        help="answer a save after the local copy (async, default) or after the replicas too (sync)",
+    )
     agent.add_argument("--instance-type", help="instance type reported at registration")
     agent.add_argument(
         "--heartbeat-interval",

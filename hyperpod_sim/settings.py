@@ -52,6 +52,11 @@ class ProvisioningSettings(BaseModel):
 
 
 class SimulationSettings(BaseModel):
+    shm_root: Path = Field(
+        default=Path("/dev/shm/hpsim"),
+        description="local mode: where agents keep checkpoint shards in shared memory, one "
+        "directory per node (it outlives an agent crash; a deleted node's directory is removed).",
+    )
     memory_scale: float = Field(
         default=1 / 1024,
         gt=0,

@@ -94,6 +94,8 @@ class Node(Base):
     id: Mapped[str] = mapped_column(String(19), primary_key=True)
     cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
     group_name: Mapped[str] = mapped_column(String(63))
+    # Position in its group, kept by a replacement: the replica ring is ordered by it.
+    slot: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     logical_id: Mapped[str] = mapped_column(String(128), unique=True)
     instance_type: Mapped[str] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(32))

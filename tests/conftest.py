@@ -6,7 +6,9 @@ the server named by ``HPSIM_TEST_POSTGRES_URL`` (PostgreSQL tests are skipped wi
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -34,6 +36,17 @@ from hyperpod_sim.settings import Settings
 POSTGRES_URL = os.environ.get("HPSIM_TEST_POSTGRES_URL")
 ROLE = "arn:aws:iam::123456789012:role/HyperPodExecution"
 EKS = {"Eks": {"ClusterArn": "arn:aws:eks:us-east-1:123456789012:cluster/my-eks"}}
+
+
+def shm_root_for(path: Path) -> Path:
+    """A test's own shared-memory root (removed after the test by ``_clean_shm``)."""
+    return Path("/dev/shm") / f"hpsim-test-{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
+
+
+@pytest.fixture(autouse=True)
+def _clean_shm(tmp_path: Path) -> Iterator[None]:
+    yield
+    shutil.rmtree(shm_root_for(tmp_path), ignore_errors=True)
 
 
 def free_port() -> int:
@@ -246,7 +259,7 @@ class ServerProcess:
     ) -> None:
         self.database_url = database_url
         self.data_dir = data_dir
-        self.env = {**os.environ, **(env or {})}
+        self.env = {"HPSIM_SIMULATION__SHM_ROOT": str(shm_root_for(data_dir)), **os.environ, **(env or {})}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
@@ -333,6 +346,7 @@ def agent_plane(database_url: str, tmp_path: Path, agent_settings: dict[str, Any
     """A control plane whose nodes are real agent processes on loopback ports (local provisioner),
     on the real clock, with short heartbeat intervals so failures show within seconds."""
     port = free_port()
+    shm_root = shm_root_for(tmp_path)
     provisioning = {
         "mode": "local",
         "heartbeat_interval_s": 0.2,
@@ -346,7 +360,8 @@ def agent_plane(database_url: str, tmp_path: Path, agent_settings: dict[str, Any
         port=port,
         provisioning=provisioning,
         reconciler={"interval_s": 0.2},
-        **{key: value for key, value in agent_settings.items() if key != "provisioning"},
+        simulation={"shm_root": shm_root, **agent_settings.get("simulation", {})},
+        **{key: value for key, value in agent_settings.items() if key not in ("provisioning", "simulation")},
     )
     app = create_app(settings)
     try:
@@ -359,3 +374,4 @@ def agent_plane(database_url: str, tmp_path: Path, agent_settings: dict[str, Any
             )
     finally:
         kill_processes_under(tmp_path)
+        shutil.rmtree(shm_root, ignore_errors=True)

@@ -31,7 +31,7 @@ from agents.control_plane import ControlPlaneClient
 from agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
 from agents.metrics import Metric, render
 from agents.state import AgentState, ApplyStatus
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, shm_root_for, wait_for
 
 CLUSTER = "demo"
 CLUSTER_TOKEN = "cluster-secret-0123"
@@ -232,6 +232,8 @@ def start_agent(tmp_path: Path) -> Iterator[StartAgent]:
             "HPSIM_AGENT_REGISTER_BACKOFF_MAX_S": "0.3",
             "HPSIM_AGENT_PERMANENT_RETRY_S": "0.2",
             "HPSIM_AGENT_TOKEN": token,
+            # Each agent's shared memory under the test's own root (removed after the test).
+            "HPSIM_AGENT_SHM_DIR": str(shm_root_for(tmp_path) / f"agent-{len(started)}"),
             **(env or {}),
         }
         command = [sys.executable, "-m", "hyperpod_sim", "agent", "--control-plane", control_plane]

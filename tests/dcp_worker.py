@@ -1,0 +1,96 @@
+"""One rank of a PyTorch DCP job that checkpoints through the amzn-sagemaker-checkpointing library.
+
+Run by tests as a subprocess (one per rank, gloo backend on loopback). The library itself is used
+unmodified: the only thing set is the default ``InMemoryClientConfig.base_url``, to this rank's
+agent, which is what its writer and reader construct their client with.
+
+    python -m tests.dcp_worker --rank R --world-size W --master-port P --agent-url URL
+        --namespace NS --steps 1,2,3 [--load-step N] --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import load
+from torch.distributed.checkpoint.state_dict_saver import async_save
+
+
+def point_library_at(url: str) -> None:
+    from amzn_sagemaker_checkpointing.config.in_memory_client import InMemoryClientConfig
+
+    defaults = list(InMemoryClientConfig.__init__.__defaults__ or ())
+    defaults[0] = url  # base_url is the first field
+    InMemoryClientConfig.__init__.__defaults__ = tuple(defaults)
+
+
+def model_state(step: int, rank: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return {
+        "weight": torch.randn(64, 32, generator=generator),
+        "bias": torch.randn(64, generator=generator),
+        "moment": torch.randn(128, generator=generator).to(torch.float64),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--agent-url", required=True)
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--steps", required=True)
+    parser.add_argument("--load-step", type=int)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(args.master_port)
+    point_library_at(args.agent_url)
+    from amzn_sagemaker_checkpointing.checkpointing.filesystem import (
+        SageMakerTieredStorageReader,
+        SageMakerTieredStorageWriter,
+    )
+    from amzn_sagemaker_checkpointing.config.sagemaker_checkpoint_config import SageMakerCheckpointConfig
+
+    dist.init_process_group(backend="gloo", rank=args.rank, world_size=args.world_size)
+    result: dict[str, object] = {"rank": args.rank}
+    try:
+        config = SageMakerCheckpointConfig(namespace=args.namespace, world_size=args.world_size)
+        steps = [int(s) for s in args.steps.split(",") if s]
+        for step in steps:
+            # Each rank saves its own tensors (distinct per rank): keys carry the rank.
+            state = {f"rank{args.rank}": model_state(step, args.rank), "step": step}
+            writer = SageMakerTieredStorageWriter(checkpoint_config=config, step=step)
+            async_save(state_dict=state, storage_writer=writer).result()
+            dist.barrier()
+
+        expected_step = args.load_step if args.load_step is not None else steps[-1]
+        target = {
+            f"rank{args.rank}": {k: torch.zeros_like(v) for k, v in model_state(0, 0).items()},
+            "step": -1,
+        }
+        if args.load_step is None:
+            reader = SageMakerTieredStorageReader(checkpoint_config=config)
+        else:
+            reader = SageMakerTieredStorageReader(checkpoint_config=config, step=args.load_step)
+        load(target, storage_reader=reader)
+        expected = model_state(expected_step, args.rank)
+        result["loaded_step"] = target["step"]
+        result["equal"] = all(torch.equal(target[f"rank{args.rank}"][k], v) for k, v in expected.items())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
