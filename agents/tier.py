@@ -118,6 +118,7 @@ class MemoryTier:
         control_plane_url: str,
         replication: str = "async",
         timeout_s: float = 60.0,
+        peer_timeout_s: float = 10.0,
     ) -> None:
         self.state = state
         self.store = store
@@ -126,8 +127,10 @@ class MemoryTier:
         self._namespaces: dict[str, Namespace] = {}
         self._members: dict[str, str] = {}  # node id -> endpoint
         self._cp = httpx.AsyncClient(base_url=control_plane_url, timeout=timeout_s, trust_env=False)
+        # Other agents: a hung one (stopped, partitioned) must not hold a read or `latest` for
+        # long; the timeout is per network wait, so big shards still stream.
         self._peers = httpx.AsyncClient(
-            timeout=timeout_s, trust_env=False, limits=httpx.Limits(max_connections=64)
+            timeout=peer_timeout_s, trust_env=False, limits=httpx.Limits(max_connections=64)
         )
         self._tasks: set[asyncio.Task[None]] = set()
         state.listeners.append(self._on_policy)
