@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -134,7 +135,9 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
                 log.error("the control plane loop ended unexpectedly", exc_info=loop_task.exception())
                 exit_code = 1
             elif loop_task.result() is LoopOutcome.NODE_DELETED:
-                log.warning("node %s was deleted: stopping", state.node_id)
+                log.warning("node %s was deleted: stopping and freeing its shared memory", state.node_id)
+                tier.store.clear()
+                shutil.rmtree(shm_dir, ignore_errors=True)
         else:
             log.info("signal received: stopping")
     finally:

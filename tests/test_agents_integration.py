@@ -18,7 +18,15 @@ import pytest
 
 from domain.instance_types import instance_memory_bytes
 from domain.provisioning import find_agent_pids
-from tests.conftest import EKS, ControlPlane, ServerProcess, group, kill_processes_under, wait_for
+from tests.conftest import (
+    EKS,
+    ControlPlane,
+    ServerProcess,
+    group,
+    kill_processes_under,
+    shm_root_for,
+    wait_for,
+)
 
 GiB = 2**30
 SCALE = 1 / 1024  # the default simulation scale
@@ -278,6 +286,7 @@ def start_agent(plane_url: str, cluster: str, token: str, data_dir: Path) -> sub
     """An agent started by hand, as docker compose or a DaemonSet would (external provisioning)."""
     argv = [sys.executable, "-m", "hyperpod_sim", "agent", "--control-plane", plane_url, "--cluster", cluster]
     argv += ["--data-dir", str(data_dir), "--heartbeat-interval", "0.2"]
+    argv += ["--shm-dir", str(shm_root_for(data_dir.parent) / data_dir.name)]
     with open(data_dir.with_suffix(".log"), "wb") as log:
         return subprocess.Popen(
             argv, env={**os.environ, "HPSIM_AGENT_TOKEN": token}, stdout=subprocess.DEVNULL, stderr=log
