@@ -45,9 +45,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # agents, bench.common
 
-MiB = 1024 * 1024
+from bench.common import HOST, MIB, cpu_seconds, recv_exactly, write_json
+
 HEADER = struct.Struct("!cQ")  # raw protocol: operation (U, V: upload; D, W, F: download), length
 
 UPLOAD_AGENT = "upload   agent POST readinto(mmap)"
@@ -97,7 +98,7 @@ def agent_server(size: int, path: str, conn: multiprocessing.connection.Connecti
 
     async def serve() -> None:
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((HOST, 0))
         sock.setblocking(False)
         server = HttpServer(handler=handler, sock=sock, read_timeout_s=60, write_timeout_s=60)
         await server.start()
@@ -113,7 +114,7 @@ def raw_server(size: int, path: str, conn: multiprocessing.connection.Connection
     buffer = touched_mmap(size)
     view = memoryview(buffer)
     listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    listener.bind((HOST, 0))
     listener.listen()
     conn.send(listener.getsockname()[1])
     client, _ = listener.accept()
@@ -132,8 +133,8 @@ def raw_server(size: int, path: str, conn: multiprocessing.connection.Connection
                     received += n
                 client.sendall(hashlib.sha256(view[:length]).digest() if op == b"V" else b"k")
             elif op == b"D":  # in slices: faster than one sendall of the whole buffer (cache locality)
-                for start in range(0, length, MiB):
-                    client.sendall(view[start : min(start + MiB, length)])
+                for start in range(0, length, MIB):
+                    client.sendall(view[start : min(start + MIB, length)])
             elif op == b"W":
                 client.sendall(view[:length])
             elif op == b"F":
@@ -152,20 +153,11 @@ def start(
     return process, parent.recv(), parent
 
 
-def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
-    received = 0
-    while received < len(view):
-        n = sock.recv_into(view[received:])
-        if not n:
-            raise EOFError("the server closed the connection")
-        received += n
-
-
 class HttpClient:
     """Raw HTTP/1.1 on one keep-alive connection: no client library between the bytes and the clock."""
 
     def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock = socket.create_connection((HOST, port))
         self.pending = bytearray()
 
     def response_head(self) -> tuple[int, int]:
@@ -187,7 +179,7 @@ class HttpClient:
         have = min(len(self.pending), len(into))
         into[:have] = self.pending[:have]
         del self.pending[:have]
-        recv_exactly_into(self.sock, into[have:])
+        recv_exactly(self.sock, into[have:])
 
 
 @dataclass
@@ -200,12 +192,10 @@ class Cell:
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux ``/proc``; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process so far (Linux ``/proc``; 0 elsewhere, so that the
+    CPU column reads 0 rather than failing)."""
+    seconds = cpu_seconds(pid)
+    return 0.0 if seconds is None else seconds
 
 
 def measure(size: int, runs: int, cells: dict[str, tuple[Callable[[], object], int]]) -> list[Cell]:
@@ -220,8 +210,8 @@ def measure(size: int, runs: int, cells: dict[str, tuple[Callable[[], object], i
             once()
             times[name].append(time.perf_counter() - started)
             cpu[name] += cpu_s(pid) - cpu_before
-    mib = size / MiB
-    gib_total = size * runs / (1024 * MiB)
+    mib = size / MIB
+    gib_total = size * runs / (1024 * MIB)
     return [
         Cell(name, mib / statistics.median(t), mib / min(t), cpu[name] / gib_total, t)
         for name, t in times.items()
@@ -238,7 +228,7 @@ def run(size: int, runs: int, shm_path: str, payload: bytes) -> list[Cell]:
     try:
         pin(1)
         http = HttpClient(agent_port)
-        stream = socket.create_connection(("127.0.0.1", raw_port))
+        stream = socket.create_connection((HOST, raw_port))
 
         def agent_upload(query: str = "") -> bytes:
             http.sock.sendall(
@@ -263,7 +253,7 @@ def run(size: int, runs: int, shm_path: str, payload: bytes) -> list[Cell]:
 
         def raw_get(op: bytes) -> None:
             stream.sendall(HEADER.pack(op, size))
-            recv_exactly_into(stream, into)
+            recv_exactly(stream, into)
 
         # Untimed runs whose bytes are checked.
         assert json.loads(agent_upload("?verify"))["sha256"] == sha.hex(), "the agent received other bytes"
@@ -306,8 +296,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per cell (default 5)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    size = args.mib * MiB
-    payload = os.urandom(MiB) * args.mib
+    size = args.mib * MIB
+    payload = os.urandom(MIB) * args.mib
     shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.NamedTemporaryFile(dir=shm_dir, prefix="agent-http-bench-") as shm:
         shm.write(payload)
@@ -330,7 +320,7 @@ def main() -> int:
     for name, ratio in ratios.items():
         print(f"ratio agent/raw {name:46} {ratio:.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"cells": [asdict(c) for c in cells], "ratios": ratios}, indent=2))
+        write_json(args.json, {"cells": [asdict(c) for c in cells], "ratios": ratios})
     return 0
 
 

@@ -47,28 +47,44 @@ import multiprocessing.synchronize
 import os
 import queue
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
-from botocore.config import Config
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.common, as bench/x.py too
 
-HOST = "127.0.0.1"
-REGION = "us-east-1"
+from bench.common import (
+    HOST,
+    HPSIM,
+    REGION,
+    RawClient,
+    Server,
+    WireRecorder,
+    WireRequest,
+    cpu_seconds,
+    fmt,
+    free_port,
+    int_list_option,
+    poll,
+    progress,
+    sagemaker_client,
+    spawn,
+    start_hpsim,
+    stop_servers,
+    table,
+    wait_ready,
+    with_notes,
+    write_json,
+)
+
 DESCRIBE = "DescribeCluster"
 CREATE = "CreateCluster"
 OPERATIONS = (DESCRIBE, CREATE)  # Create last: its background work must not skew Describe.
-HPSIM = "hyperpod-sim"
 MOTO = "moto"
 TARGET_CELL = (DESCRIBE, 8)
 TARGET_RATIO = 2.0
@@ -95,113 +111,14 @@ print("moto ready", flush=True)
 threading.Event().wait()
 """
 
-CLIENT_CONFIG = Config(
-    retries={"total_max_attempts": 1, "mode": "standard"},
-    connect_timeout=5,
-    read_timeout=30,
-    max_pool_connections=2,
-)
-
 
 # ---------------------------------------------------------------------- servers
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process, from /proc (None where there is no /proc)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@dataclass
-class Server:
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def log_tail(self, limit: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-limit:]
-        except OSError:
-            return ""
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"{self.name} exited with {self.proc.returncode}; log tail:\n{self.log_tail()}"
-            )
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout)
-
-
-def _spawn(name: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int) -> Server:
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches only us; `finally` stops the servers.
-        )
-    return Server(name=name, port=port, proc=proc, log_path=log_path)
-
-
-def _hpsim_command() -> list[str]:
-    script = Path(sys.executable).parent / "hyperpod-sim"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("hyperpod-sim")
-    return [found] if found else [sys.executable, "-m", "hyperpod_sim"]
-
-
-def start_hpsim(workdir: Path) -> Server:
-    port = free_port()
-    data_dir = workdir / "hpsim-data"
-    env = dict(os.environ)
-    env.update(
-        {
-            "HPSIM_PROVISIONING__MODE": "simulated",
-            "HPSIM_PROVISIONING__NODE_READY_DELAY_S": "0",
-            "HPSIM_LIMITS__MAX_CLUSTERS": "10000000",
-        }
-    )
-    cmd = [
-        *_hpsim_command(),
-        "serve",
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--data-dir",
-        str(data_dir),
-        "--log-level",
-        "warning",
-    ]
-    return _spawn(HPSIM, cmd, env, workdir / "hpsim.log", port)
+HPSIM_SETTINGS = {
+    "HPSIM_PROVISIONING__MODE": "simulated",
+    "HPSIM_PROVISIONING__NODE_READY_DELAY_S": "0",
+    "HPSIM_LIMITS__MAX_CLUSTERS": "10000000",
+}
 
 
 def start_moto(workdir: Path) -> Server:
@@ -209,29 +126,7 @@ def start_moto(workdir: Path) -> Server:
     env = dict(os.environ)
     env.setdefault("AWS_DEFAULT_REGION", REGION)
     cmd = [sys.executable, "-c", MOTO_MAIN, HOST, str(port)]
-    return _spawn(MOTO, cmd, env, workdir / "moto.log", port)
-
-
-def wait_ready(server: Server, path: str, deadline_s: float) -> None:
-    """Poll ``GET path`` until it answers 200, within ``deadline_s``."""
-    deadline = time.monotonic() + deadline_s
-    last_error = "no attempt"
-    while time.monotonic() < deadline:
-        server.check_alive()
-        try:
-            with urllib.request.urlopen(f"{server.endpoint}{path}", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-                last_error = f"HTTP {resp.status}"
-        except urllib.error.HTTPError as exc:
-            last_error = f"HTTP {exc.code}"
-        except (OSError, urllib.error.URLError) as exc:
-            last_error = repr(exc)
-        time.sleep(0.1)
-    raise TimeoutError(
-        f"{server.name} not ready at {server.endpoint}{path} within {deadline_s}s ({last_error}); "
-        f"log tail:\n{server.log_tail()}"
-    )
+    return spawn(MOTO, cmd, env, workdir / "moto.log", port)
 
 
 def wait_idle(pid: int, threshold: float = 0.10, window_s: float = 0.25, max_wait_s: float = 5.0) -> None:
@@ -249,100 +144,33 @@ def wait_idle(pid: int, threshold: float = 0.10, window_s: float = 0.25, max_wai
 
 
 def make_client(endpoint: str) -> Any:
-    session = boto3.session.Session()
-    return session.client(
-        "sagemaker",
-        endpoint_url=endpoint,
-        region_name=REGION,
-        aws_access_key_id="x",
-        aws_secret_access_key="y",
-        config=CLIENT_CONFIG,
-    )
+    """boto3, for setup and the checks only."""
+    return sagemaker_client(endpoint, connect_timeout=5, read_timeout=30, max_pool_connections=2)
 
 
 def create_cluster(client: Any, name: str) -> None:
     client.create_cluster(ClusterName=name, InstanceGroups=json.loads(json.dumps(INSTANCE_GROUPS)))
 
 
-@dataclass(frozen=True)
-class WireRequest:
-    """One request exactly as botocore sent it: headers in order (without Host, Accept-Encoding and
-    Content-Length, which ``http.client`` adds the same way urllib3 does) and the JSON body."""
-
-    operation: str
-    headers: tuple[tuple[str, str], ...]
-    body: bytes
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode("latin-1") if isinstance(value, bytes) else value
-
-
-def capture_requests(client: Any) -> dict[str, WireRequest]:
-    """Record every SageMaker request this boto3 client sends (keyed by operation name)."""
-    captured: dict[str, WireRequest] = {}
-
-    def record(request: Any, **_: Any) -> None:
-        headers = tuple(
-            (_text(k), _text(v))
-            for k, v in request.headers.items()
-            if k.lower() not in ("host", "accept-encoding", "content-length")
-        )
-        target = dict(headers).get("X-Amz-Target", "")
-        operation = target.rpartition(".")[2]
-        body = request.body if isinstance(request.body, bytes) else _text(request.body or b"").encode()
-        captured[operation] = WireRequest(operation=operation, headers=headers, body=body)
-
-    client.meta.events.register("before-send.sagemaker", record)
-    return captured
-
-
-class RawClient:
-    """A lean keep-alive client: one ``http.client.HTTPConnection`` replaying recorded requests."""
-
-    def __init__(self, port: int, wire: WireRequest, timeout: float = 30.0) -> None:
-        self.conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
-        self.headers = wire.headers
-        self.template: dict[str, Any] = json.loads(wire.body)
-
-    def body(self, cluster_name: str | None = None) -> bytes:
-        """The recorded body, with ``ClusterName`` replaced when given (json.dumps, like botocore)."""
-        params = self.template
-        if cluster_name is not None:
-            params = {**params, "ClusterName": cluster_name}
-        return json.dumps(params).encode()
-
-    def send(self, body: bytes) -> tuple[int, bytes]:
-        conn = self.conn
-        conn.putrequest("POST", "/")  # adds Host and Accept-Encoding: identity, as urllib3 does
-        for name, value in self.headers:
-            conn.putheader(name, value)
-        conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body)
-        resp = conn.getresponse()
-        data = resp.read()
-        return resp.status, data
-
-    def close(self) -> None:
-        self.conn.close()
-
-
 def sanity_check(server: Server, client: Any, captured: dict[str, WireRequest]) -> None:
     """Create the DescribeCluster target with boto3, check boto3 describes it, then check the raw
     replay of both recorded requests is answered the same way."""
     create_cluster(client, DESCRIBE_CLUSTER)
-    deadline = time.monotonic() + 30
-    while True:
+    desc: dict[str, Any] = {}
+
+    def in_service() -> bool | None:
+        nonlocal desc
         desc = client.describe_cluster(ClusterName=DESCRIBE_CLUSTER)
         if desc.get("ClusterName") != DESCRIBE_CLUSTER:
             raise RuntimeError(f"{server.name}: DescribeCluster returned {desc.get('ClusterName')!r}")
-        if desc.get("ClusterStatus") == "InService":
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{server.name}: {DESCRIBE_CLUSTER} not InService: {desc.get('ClusterStatus')}"
-            )
-        time.sleep(0.1)
+        return True if desc.get("ClusterStatus") == "InService" else None
+
+    poll(
+        in_service,
+        30,
+        0.1,
+        lambda: TimeoutError(f"{server.name}: {DESCRIBE_CLUSTER} not InService: {desc.get('ClusterStatus')}"),
+    )
     missing = [op for op in OPERATIONS if op not in captured]
     if missing:
         raise RuntimeError(f"{server.name}: no request captured from botocore for {missing}")
@@ -595,35 +423,29 @@ def _drain(results: multiprocessing.queues.Queue[dict[str, Any]], limit: int, ti
 # ---------------------------------------------------------------------- report
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
 def render(rows: list[Row], ratios: dict[str, float | None], notes: list[str]) -> str:
     header = (
         f"{'operation':<16} {'clients':<8} {'server':<13} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'errors':>7} {'srv CPU%':>9} {'srv ms/req':>10} {'gen CPU%':>9}"
     )
-    lines = [header, "-" * len(header)]
+    lines = table(header)
     for r in rows:
         lines.append(
-            f"{r.operation:<16} {r.clients:<8} {r.server:<13} {r.req_per_s:>9.1f} {_fmt(r.p50_ms, '.2f'):>8} "
-            f"{_fmt(r.p99_ms, '.2f'):>8} {r.errors:>7} {_fmt(r.server_cpu_pct, '.1f'):>9} "
-            f"{_fmt(r.server_cpu_ms_per_req, '.3f'):>10} {r.loadgen_cpu_pct:>9.1f}"
+            f"{r.operation:<16} {r.clients:<8} {r.server:<13} {r.req_per_s:>9.1f} {fmt(r.p50_ms, '.2f'):>8} "
+            f"{fmt(r.p99_ms, '.2f'):>8} {r.errors:>7} {fmt(r.server_cpu_pct, '.1f'):>9} "
+            f"{fmt(r.server_cpu_ms_per_req, '.3f'):>10} {r.loadgen_cpu_pct:>9.1f}"
         )
     lines.append("")
     for key, ratio in ratios.items():
         operation, clients = key.split("@")
         target = f" (target >= {TARGET_RATIO:.1f}x)" if (operation, int(clients)) == TARGET_CELL else ""
-        lines.append(f"ratio {HPSIM}/{MOTO} {operation} @{clients} clients: {_fmt(ratio, '.2f')}x{target}")
+        lines.append(f"ratio {HPSIM}/{MOTO} {operation} @{clients} clients: {fmt(ratio, '.2f')}x{target}")
     errors = [r for r in rows if r.errors]
     if errors:
         lines.append("")
         for r in errors:
             lines.append(f"errors: {r.server} {r.operation}@{r.clients}: {r.errors} (first: {r.first_error})")
-    lines.append("")
-    lines.extend(f"note: {n}" for n in notes)
-    return "\n".join(lines)
+    return with_notes(lines, notes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -645,10 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=60.0, help="seconds to wait for each server")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    try:
-        levels = sorted({int(c) for c in args.clients.split(",") if c.strip()})
-    except ValueError:
-        parser.error(f"--clients must list positive integers, got {args.clients!r}")
+    levels = int_list_option(parser, "--clients", args.clients)
     if not levels or min(levels) < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("--clients must list positive integers, --duration be positive, --warmup >= 0")
     wanted = {o.strip() for o in args.operations.split(",") if o.strip()}
@@ -660,17 +479,17 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="hpsim-bench-"))
     servers: list[Server] = []
     try:
-        hpsim = start_hpsim(workdir)
+        hpsim = start_hpsim(workdir, HPSIM_SETTINGS)
         servers.append(hpsim)
         moto = start_moto(workdir)
         servers.append(moto)
-        wait_ready(hpsim, "/health", args.startup_timeout)
-        wait_ready(moto, "/moto-api/", args.startup_timeout)
+        wait_ready(hpsim, args.startup_timeout)
+        wait_ready(moto, args.startup_timeout, path="/moto-api/")
 
         wires: dict[str, dict[str, WireRequest]] = {}
         for server in servers:
             client = make_client(server.endpoint)
-            wires[server.name] = capture_requests(client)
+            wires[server.name] = WireRecorder(client).captured  # until client.close()
             sanity_check(server, client, wires[server.name])
             client.close()
 
@@ -682,18 +501,10 @@ def main(argv: list[str] | None = None) -> int:
                     wire = wires[server.name][operation]
                     row = run_cell(server, wire, operation, level, args.duration, args.warmup)
                     rows.append(row)
-                    print(
-                        f"  measured {operation}@{level} {server.name}: {row.req_per_s:.1f} req/s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    progress(f"  measured {operation}@{level} {server.name}: {row.req_per_s:.1f} req/s")
                     if row.first_error and not error_shown:
                         error_shown = True
-                        print(
-                            f"  first error ({server.name} {operation}@{level}): {row.first_error}",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+                        progress(f"  first error ({server.name} {operation}@{level}): {row.first_error}")
 
         by_cell = {(r.operation, r.clients, r.server): r for r in rows}
         ratios: dict[str, float | None] = {}
@@ -746,14 +557,10 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "notes": notes,
             }
-            args.json.write_text(json.dumps(payload, indent=2) + "\n")
+            write_json(args.json, payload)
         return 0
     finally:
-        for server in reversed(servers):
-            try:
-                server.stop()
-            except Exception as exc:
-                print(f"warning: could not stop {server.name}: {exc!r}", file=sys.stderr)
+        stop_servers(servers)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -59,16 +59,12 @@ import json
 import math
 import os
 import shutil
-import signal
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,9 +75,33 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-HOST = "127.0.0.1"
-REGION = "us-east-1"
-MIB = 1024 * 1024
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.common, as bench/x.py too
+
+from bench.common import (
+    HOST,
+    MIB,
+    Server,
+    cpu_seconds,
+    exit_on_sigterm,
+    fmt,
+    free_port,
+    http_json,
+    int_list_option,
+    kill_leftover_agents,
+    memory_status,
+    poll,
+    progress,
+    recv_exactly,
+    sagemaker_client,
+    spawn,
+    start_hpsim,
+    stop_servers,
+    table,
+    wait_ready,
+    with_notes,
+    write_json,
+)
+
 INSTANCE_TYPE = "ml.p5.48xlarge"
 PERCENTAGE = 20
 NODES = 2
@@ -186,15 +206,6 @@ def run_reference_server(port: int) -> int:
 # ---------------------------------------------------------------------- the ceiling
 
 
-def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("sender closed mid-message")
-        got += n
-
-
 def run_ceiling_receiver(port: int, max_bytes: int) -> int:
     """Receive ``length`` + bytes into one preallocated, pre-touched buffer; answer one byte."""
     buffer = bytearray(max_bytes)
@@ -209,9 +220,9 @@ def run_ceiling_receiver(port: int, max_bytes: int) -> int:
             with conn:
                 try:
                     while True:
-                        _recv_exactly(conn, header)
+                        recv_exactly(conn, header)
                         (length,) = LENGTH.unpack(header)
-                        _recv_exactly(conn, view[:length])
+                        recv_exactly(conn, view[:length])
                         conn.sendall(ACK)
                 except ConnectionError:
                     continue
@@ -295,7 +306,7 @@ def run_raw_http_server(port: int, max_bytes: int) -> int:
                 if length > SMALL_BODY:
                     taken = min(len(rest), length)
                     view[:taken] = rest[:taken]
-                    _recv_exactly(conn, view[taken:length])
+                    recv_exactly(conn, view[taken:length])
                     pending = rest[taken:]
                 else:
                     while len(rest) < length:
@@ -333,37 +344,6 @@ def run_raw_http_server(port: int, max_bytes: int) -> int:
 # ---------------------------------------------------------------------- processes
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process, from /proc (None when it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def memory_status(pid: int) -> dict[str, int]:
-    """VmRSS, VmHWM, RssAnon, RssFile, RssShmem of a process, in bytes (empty when it is gone)."""
-    wanted = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
-    found: dict[str, int] = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in wanted:
-                found[key] = int(value.split()[0]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return {}
-    return found
-
-
 def reset_peak_rss(pid: int) -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0, same user); whether it worked."""
     try:
@@ -383,146 +363,25 @@ def du_bytes(path: Path) -> int:
     return total
 
 
-@dataclass
-class Server:
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def log_tail(self, limit: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-limit:]
-        except OSError:
-            return ""
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"{self.name} exited with {self.proc.returncode}; log tail:\n{self.log_tail()}"
-            )
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout)
-
-
-def spawn(name: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int) -> Server:
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches only us; `finally` stops the servers.
-        )
-    return Server(name=name, port=port, proc=proc, log_path=log_path)
-
-
-def hpsim_command() -> list[str]:
-    script = Path(sys.executable).parent / "hyperpod-sim"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("hyperpod-sim")
-    return [found] if found else [sys.executable, "-m", "hyperpod_sim"]
-
-
-def start_hpsim(workdir: Path, shm_root: Path, replication: str) -> Server:
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = dict(os.environ)
-    env.update(
-        {
-            "HPSIM_PROVISIONING__MODE": "local",
-            "HPSIM_SIMULATION__MEMORY_SCALE": "1",
-            "HPSIM_SIMULATION__SHM_ROOT": str(shm_root),
-            # Two cores saturated by 512 MiB transfers must not make a node look failed.
-            "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "60",
-            "HPSIM_PROVISIONING__LAUNCH_TIMEOUT_S": "300",
-            "HPSIM_AGENT_REPLICATION": replication,
-        }
-    )
-    cmd = [
-        *hpsim_command(),
-        "serve",
-        *("--host", HOST),
-        *("--port", str(port)),
-        *("--data-dir", str(workdir / "hpsim-data")),
-        *("--log-level", "warning"),
-    ]
-    return spawn(f"{OURS} ({replication})", cmd, env, workdir / "hpsim.log", port)
+def start_ours(workdir: Path, shm_root: Path, replication: str) -> Server:
+    """``hyperpod-sim serve`` whose agents keep shards under ``shm_root`` and replicate ``replication``
+    (async or sync)."""
+    settings = {
+        "HPSIM_PROVISIONING__MODE": "local",
+        "HPSIM_SIMULATION__MEMORY_SCALE": "1",
+        "HPSIM_SIMULATION__SHM_ROOT": str(shm_root),
+        # Two cores saturated by 512 MiB transfers must not make a node look failed.
+        "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "60",
+        "HPSIM_PROVISIONING__LAUNCH_TIMEOUT_S": "300",
+        "HPSIM_AGENT_REPLICATION": replication,
+    }
+    return start_hpsim(workdir, settings, name=f"{OURS} ({replication})")
 
 
 def start_helper(name: str, workdir: Path, *args: str) -> Server:
     port = free_port()
     cmd = [sys.executable, str(Path(__file__).resolve()), *args, str(port)]
     return spawn(name, cmd, dict(os.environ), workdir / f"{name}.log", port)
-
-
-def wait_ready(server: Server, deadline_s: float, path: str | None = "/health") -> None:
-    """Poll ``GET path`` (or, without a path, a TCP connect) until it answers."""
-    deadline = time.monotonic() + deadline_s
-    last_error = "no attempt"
-    while time.monotonic() < deadline:
-        server.check_alive()
-        try:
-            if path is None:
-                with socket.create_connection((HOST, server.port), timeout=2):
-                    return
-            with urllib.request.urlopen(f"{server.endpoint}{path}", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-                last_error = f"HTTP {resp.status}"
-        except urllib.error.HTTPError as exc:
-            last_error = f"HTTP {exc.code}"
-        except (OSError, urllib.error.URLError) as exc:
-            last_error = repr(exc)
-        time.sleep(0.1)
-    raise TimeoutError(f"{server.name} not ready within {deadline_s}s ({last_error}):\n{server.log_tail()}")
-
-
-def agent_pids_under(workdir: Path) -> list[int]:
-    """Agent processes whose command line mentions ``workdir`` (their --data-dir is inside it)."""
-    marker = str(workdir).encode()
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-        except OSError:
-            continue
-        if marker in cmdline and b"agent\0" in cmdline:
-            pids.append(int(entry.name))
-    return pids
-
-
-def kill_leftover_agents(workdir: Path, grace_s: float = 5.0) -> int:
-    """SIGTERM, then SIGKILL, the agent processes this run's servers started; how many there were."""
-    pids = agent_pids_under(workdir)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-            os.kill(pid, signal.SIGCONT)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
-        time.sleep(0.05)
-    for pid in pids:
-        if os.path.exists(f"/proc/{pid}"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    return len(pids)
 
 
 # ---------------------------------------------------------------------- cluster and agents
@@ -572,30 +431,11 @@ class Metrics:
         self.conn.close()
 
 
-def http_json(url: str, timeout: float = 10.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def make_boto3(endpoint: str) -> Any:
-    import boto3
-    from botocore.config import Config
-
-    return boto3.session.Session().client(
-        "sagemaker",
-        endpoint_url=endpoint,
-        region_name=REGION,
-        aws_access_key_id="x",
-        aws_secret_access_key="y",
-        config=Config(retries={"total_max_attempts": 1, "mode": "standard"}, read_timeout=60),
-    )
-
-
 def create_cluster(server: Server, name: str, deadline_s: float) -> Agent:
     """A 2-node tiered-storage cluster, InService; its first node's agent and that agent's peer."""
     from domain.provisioning import find_agent_pids
 
-    client = make_boto3(server.endpoint)
+    client = sagemaker_client(server.endpoint, read_timeout=60)
     client.create_cluster(
         ClusterName=name,
         InstanceGroups=[
@@ -610,12 +450,22 @@ def create_cluster(server: Server, name: str, deadline_s: float) -> Agent:
         Orchestrator=ORCHESTRATOR,
         TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": PERCENTAGE},
     )
-    deadline = time.monotonic() + deadline_s
-    while (status := client.describe_cluster(ClusterName=name)["ClusterStatus"]) != "InService":
-        if status not in ("Creating", "Updating") or time.monotonic() > deadline:
-            raise RuntimeError(f"{name} is {status} (waited for InService):\n{server.log_tail()}")
+    status = ""
+
+    def stuck() -> RuntimeError:
+        return RuntimeError(f"{name} is {status} (waited for InService):\n{server.log_tail()}")
+
+    def in_service() -> bool | None:
+        nonlocal status
+        status = client.describe_cluster(ClusterName=name)["ClusterStatus"]
+        if status == "InService":
+            return True
+        if status not in ("Creating", "Updating"):
+            raise stuck()
         server.check_alive()
-        time.sleep(0.2)
+        return None
+
+    poll(in_service, deadline_s, 0.2, stuck)
     listing = http_json(f"{server.endpoint}/clusters/{name}/nodes")["ClusterNodeSummaries"]
     endpoints = {
         n["InstanceId"]: n["AgentStatus"]["Endpoint"]
@@ -693,15 +543,20 @@ def timed(fn: Callable[[], T], server_pids: list[int]) -> tuple[T, Sample]:
 def wait_replicated(metrics: Metrics, since: float, deadline_s: float = 300.0) -> float:
     """Poll ``hpsim_tier_replication_pending`` until 0; seconds from ``since`` (perf_counter) to the
     first answer that said 0."""
-    deadline = time.monotonic() + deadline_s
-    while True:
+    pending = 0.0
+
+    def lag() -> float | None:
+        nonlocal pending
         pending = metrics.value("hpsim_tier_replication_pending")
         now = time.perf_counter()
-        if pending == 0:
-            return now - since
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"replication still pending ({pending}) after {deadline_s}s")
-        time.sleep(POLL_S)
+        return now - since if pending == 0 else None
+
+    return poll(
+        lag,
+        deadline_s,
+        POLL_S,
+        lambda: TimeoutError(f"replication still pending ({pending}) after {deadline_s}s"),
+    )
 
 
 @dataclass
@@ -831,10 +686,6 @@ class ReplicationRow:
     lag_median_s: float | None
     lag_max_s: float | None
     peer_held_at_ack: list[bool | None]
-
-
-def fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
 def mib(value: float) -> str:
@@ -1031,7 +882,7 @@ def render(
         f"{'size MiB':>8}  {'server':<13} {'save s':>7} {'load s':>7} {'save MiB/s':>10} {'load MiB/s':>10}"
         f"  {'srv CPU s save/load':>19}  {'lib CPU s save/load':>19}"
     )
-    lines = [header, "-" * len(header)]
+    lines = table(header)
     for r in rows:
         srv = f"{fmt(r.save_server_cpu_s, '.2f')}/{fmt(r.load_server_cpu_s, '.2f')}"
         cli = f"{r.save_client_cpu_s:.2f}/{r.load_client_cpu_s:.2f}"
@@ -1070,7 +921,7 @@ def render(
             f"{'size MiB':>8}  {'replication':<11} {'save s':>7} {'save MiB/s':>10} "
             f"{'ack -> replica s (median, max)':>30}  {'replica held at ack':>19}"
         )
-        lines += [header, "-" * len(header)]
+        lines += table(header)
         for p in replication:
             lag = "-" if p.lag_median_s is None else f"{p.lag_median_s:.3f}, {p.lag_max_s:.3f}"
             if p.mode == "sync":
@@ -1092,7 +943,7 @@ def render(
             f"{'size MiB':>8} {'held MiB':>9} {'agt RSS MiB':>11} {'- base':>7} {'anon':>7} {'shmem':>7} "
             f"{'peak':>7} {'growth/held':>11} {'shm du own':>10} {'shm du peer':>11} {'ref RSS MiB':>11}"
         )
-        lines += [header, "-" * len(header)]
+        lines += table(header)
         for m in memory:
             lines.append(
                 f"{m.size_mib:>8} {mib(m.bytes_held):>9} {mib(m.agent_rss):>11} "
@@ -1115,16 +966,10 @@ def render(
                     f"peak RSS while saving and loading {m.size_mib} MiB shards: {mib(m.agent_peak_rss)} MiB "
                     f"= baseline + {extra:.2f} x one shard"
                 )
-    lines.append("")
-    lines.extend(f"note: {n}" for n in notes)
-    return "\n".join(lines)
+    return with_notes(lines, notes)
 
 
 # ---------------------------------------------------------------------- main
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1149,22 +994,16 @@ def main(argv: list[str] | None = None) -> int:
         return run_ceiling_receiver(args.ceiling_receiver, args.ceiling_bytes)
     if args.raw_server is not None:
         return run_raw_http_server(args.raw_server, args.raw_bytes)
-    try:
-        sizes = sorted({int(s) * MIB for s in args.sizes.split(",") if s.strip()})
-    except ValueError:
-        parser.error(f"--sizes must list positive integers (MiB), got {args.sizes!r}")
+    sizes = [mib * MIB for mib in int_list_option(parser, "--sizes", args.sizes, " (MiB)")]
     if not sizes or sizes[0] < MIB or args.repeats < 1:
         parser.error("--sizes must list positive integers (MiB) and --repeats be >= 1")
 
-    def progress(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
     workdir = Path(tempfile.mkdtemp(prefix="hpsim-tier-bench-"))
     shm_base = Path(tempfile.mkdtemp(prefix="hpsim-tier-bench-", dir="/dev/shm"))
     servers: list[Server] = []
     try:
-        ours = start_hpsim(workdir / "async", shm_base / "async", "async")
+        ours = start_ours(workdir / "async", shm_base / "async", "async")
         servers.append(ours)
         reference = start_helper(REFERENCE, workdir, "--reference-server")
         servers.append(reference)
@@ -1205,7 +1044,7 @@ def main(argv: list[str] | None = None) -> int:
 
         replication: list[ReplicationRow] = []
         if not args.no_replication:
-            sync_server = start_hpsim(workdir / "sync", shm_base / "sync", "sync")
+            sync_server = start_ours(workdir / "sync", shm_base / "sync", "sync")
             servers.append(sync_server)
             wait_ready(sync_server, args.startup_timeout)
             sync_agent = create_cluster(sync_server, "bench-tier-sync", args.create_timeout)
@@ -1272,14 +1111,10 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "notes": notes,
             }
-            args.json.write_text(json.dumps(payload, indent=2) + "\n")
+            write_json(args.json, payload)
         return 0
     finally:
-        for server in reversed(servers):
-            try:
-                server.stop()
-            except Exception as exc:
-                print(f"warning: could not stop {server.name}: {exc!r}", file=sys.stderr)
+        stop_servers(servers)
         left = kill_leftover_agents(workdir)
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(shm_base, ignore_errors=True)

@@ -37,33 +37,47 @@ Server and agent CPU per rollout come from ``/proc/<pid>/stat`` around each meas
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
-import math
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import boto3
-from botocore.config import Config
 from botocore.exceptions import ClientError
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.common, as bench/x.py too
+
+from bench.common import (
+    MIB,
+    RawClient,
+    Server,
+    WireRecorder,
+    WireRequest,
+    cpu_seconds,
+    exit_on_sigterm,
+    fmt,
+    http_json,
+    int_list_option,
+    kill_leftover_agents,
+    poll,
+    progress,
+    rss_bytes,
+    sagemaker_client,
+    start_hpsim,
+    stop_servers,
+    table,
+    wait_ready,
+    with_notes,
+    write_json,
+)
 from domain.provisioning import find_agent_pids
 
-HOST = "127.0.0.1"
-REGION = "us-east-1"
 INSTANCE_TYPE = "ml.p5.48xlarge"
 GROUP = "workers"
 FIRST_PERCENTAGE = 20
@@ -71,268 +85,73 @@ TARGET_SIZES = (1, 64)
 TARGET_MAX_RATIO = 10.0
 POLL_INTERVAL_S = 0.002
 CREATE_POLL_INTERVAL_S = 0.05
-MIB = 1024 * 1024
 
 ORCHESTRATOR = {"Eks": {"ClusterArn": "arn:aws:eks:us-east-1:123456789012:cluster/bench"}}
 EXECUTION_ROLE = "arn:aws:iam::123456789012:role/hp"
 
-CLIENT_CONFIG = Config(
-    retries={"total_max_attempts": 1, "mode": "standard"},
-    connect_timeout=5,
-    read_timeout=60,
-)
+# Dozens of agent processes starting on two cores are slow: they must not be declared failed and
+# replaced mid-measurement. Heartbeats every 1 s; the per-cluster instance limit raised.
+HPSIM_SETTINGS = {
+    "HPSIM_PROVISIONING__MODE": "local",
+    "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "1",
+    "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "60",
+    "HPSIM_PROVISIONING__LAUNCH_TIMEOUT_S": "300",
+    "HPSIM_LIMITS__MAX_INSTANCES_PER_CLUSTER": "1000",
+}
 
 
 # ---------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process, from /proc (None when it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_sum(pids: list[int]) -> float:
     return sum(c for c in (cpu_seconds(p) for p in pids) if c is not None)
 
 
-def rss_bytes(pid: int) -> int | None:
-    """VmRSS of a process (None when it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def agent_pids_under(workdir: Path) -> list[int]:
-    """Agent processes whose command line mentions ``workdir`` (their --data-dir is inside it)."""
-    marker = str(workdir).encode()
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-        except OSError:
-            continue
-        if marker in cmdline and b"agent\0" in cmdline:
-            pids.append(int(entry.name))
-    return pids
-
-
-def kill_leftover_agents(workdir: Path, grace_s: float = 5.0) -> int:
-    """SIGTERM, then SIGKILL, the agent processes this run left behind; how many there were."""
-    pids = agent_pids_under(workdir)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-            os.kill(pid, signal.SIGCONT)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
-        time.sleep(0.05)
-    for pid in pids:
-        if os.path.exists(f"/proc/{pid}"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    return len(pids)
-
-
-@dataclass
-class Server:
-    port: int
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def log_tail(self, limit: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-limit:]
-        except OSError:
-            return ""
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"hyperpod-sim exited with {self.proc.returncode}; log tail:\n{self.log_tail()}"
-            )
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout)
-
-
-def _hpsim_command() -> list[str]:
-    script = Path(sys.executable).parent / "hyperpod-sim"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("hyperpod-sim")
-    return [found] if found else [sys.executable, "-m", "hyperpod_sim"]
-
-
-def start_server(workdir: Path) -> Server:
-    port = free_port()
-    env = dict(os.environ)
-    env.update(
-        {
-            "HPSIM_PROVISIONING__MODE": "local",
-            "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "1",
-            "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "60",
-            "HPSIM_PROVISIONING__LAUNCH_TIMEOUT_S": "300",
-            "HPSIM_LIMITS__MAX_INSTANCES_PER_CLUSTER": "1000",
-        }
-    )
-    cmd = [
-        *_hpsim_command(),
-        "serve",
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--data-dir",
-        str(workdir / "hpsim-data"),
-        "--log-level",
-        "warning",
-    ]
-    log_path = workdir / "hpsim.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches only us; `finally` stops the server and agents.
-        )
-    return Server(port=port, proc=proc, log_path=log_path)
-
-
-def wait_ready(server: Server, deadline_s: float) -> None:
-    deadline = time.monotonic() + deadline_s
-    last_error = "no attempt"
-    while time.monotonic() < deadline:
-        server.check_alive()
-        try:
-            with urllib.request.urlopen(f"{server.endpoint}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-                last_error = f"HTTP {resp.status}"
-        except urllib.error.HTTPError as exc:
-            last_error = f"HTTP {exc.code}"
-        except (OSError, urllib.error.URLError) as exc:
-            last_error = repr(exc)
-        time.sleep(0.1)
-    raise TimeoutError(
-        f"hyperpod-sim not ready within {deadline_s}s ({last_error}); log tail:\n{server.log_tail()}"
-    )
-
-
 # ---------------------------------------------------------------------- clients
 
 
 def make_client(endpoint: str) -> Any:
-    return boto3.session.Session().client(
-        "sagemaker",
-        endpoint_url=endpoint,
-        region_name=REGION,
-        aws_access_key_id="x",
-        aws_secret_access_key="y",
-        config=CLIENT_CONFIG,
-    )
+    return sagemaker_client(endpoint, connect_timeout=5, read_timeout=60)
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode("latin-1") if isinstance(value, bytes) else value
-
-
-def capture_describe_headers(client: Any, cluster_name: str) -> tuple[tuple[str, str], ...]:
-    """The headers boto3 sends for DescribeCluster (without Host, Accept-Encoding, Content-Length,
-    which http.client adds), recorded by a ``before-send`` hook around one real call."""
-    captured: list[tuple[tuple[str, str], ...]] = []
-
-    def record(request: Any, **_: Any) -> None:
-        captured.append(
-            tuple(
-                (_text(k), _text(v))
-                for k, v in request.headers.items()
-                if k.lower() not in ("host", "accept-encoding", "content-length")
-            )
-        )
-
-    client.meta.events.register("before-send.sagemaker.DescribeCluster", record)
+def capture_describe(client: Any, cluster_name: str) -> WireRequest:
+    """The DescribeCluster request boto3 sends (headers without Host, Accept-Encoding,
+    Content-Length, which http.client adds), recorded by a ``before-send`` hook around one real
+    call."""
+    recorder = WireRecorder(client, "DescribeCluster")
     try:
         client.describe_cluster(ClusterName=cluster_name)
     except ClientError:
         pass  # ResourceNotFound is fine: only the request matters
     finally:
-        client.meta.events.unregister("before-send.sagemaker.DescribeCluster", record)
-    if not captured or dict(captured[0]).get("X-Amz-Target") != "SageMaker.DescribeCluster":
+        recorder.stop()
+    wire = recorder.captured.get("DescribeCluster")
+    if wire is None or dict(wire.headers).get("X-Amz-Target") != "SageMaker.DescribeCluster":
         raise RuntimeError("could not record boto3's DescribeCluster request")
-    return captured[0]
+    return wire
 
 
 class RawDescribe:
-    """DescribeCluster over one keep-alive ``http.client`` connection, replaying boto3's headers."""
+    """DescribeCluster over one keep-alive ``http.client`` connection, replaying boto3's request."""
 
-    def __init__(self, port: int, headers: tuple[tuple[str, str], ...], cluster_name: str) -> None:
-        self.port = port
-        self.headers = headers
-        self.body = json.dumps({"ClusterName": cluster_name}).encode()  # as botocore serialises it
-        self.conn = http.client.HTTPConnection(HOST, port, timeout=30)
-
-    def _send(self) -> tuple[int, bytes]:
-        conn = self.conn
-        conn.putrequest("POST", "/")
-        for name, value in self.headers:
-            conn.putheader(name, value)
-        conn.putheader("Content-Length", str(len(self.body)))
-        conn.endheaders(self.body)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
+    def __init__(self, port: int, wire: WireRequest, cluster_name: str) -> None:
+        self.raw = RawClient(port, wire)
+        self.body = self.raw.body(cluster_name)  # {"ClusterName": ...}, as botocore serialises it
 
     def status(self) -> str:
         """The cluster's ClusterStatus; reconnects once if the server closed an idle connection."""
         try:
-            code, data = self._send()
+            code, data = self.raw.send(self.body)
         except (http.client.HTTPException, ConnectionError):
-            self.conn.close()
-            self.conn = http.client.HTTPConnection(HOST, self.port, timeout=30)
-            code, data = self._send()
+            self.raw.close()  # the next request opens a new connection
+            code, data = self.raw.send(self.body)
         if code != 200:
             raise RuntimeError(f"DescribeCluster: HTTP {code}: {data[:300]!r}")
         status: str = json.loads(data)["ClusterStatus"]
         return status
 
     def close(self) -> None:
-        self.conn.close()
-
-
-def http_json(url: str, timeout: float = 10.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
+        self.raw.close()
 
 
 def tiered_storage(percentage: int) -> dict[str, Any]:
@@ -361,21 +180,27 @@ def wait_status(
 ) -> tuple[float, int]:
     """Poll until ClusterStatus is ``want``; the perf_counter() of the answer that said so, and how
     many DescribeCluster calls it took."""
-    deadline = time.monotonic() + deadline_s
     polls = 0
-    while True:
+    status = ""
+
+    def reached() -> float | None:
+        nonlocal polls, status
         status = raw.status()
         polls += 1
         if status == want:
-            return time.perf_counter(), polls
+            return time.perf_counter()
         if status not in ("Creating", "Updating"):
             raise RuntimeError(
                 f"cluster is {status} while waiting for {want}; log tail:\n{server.log_tail()}"
             )
-        if time.monotonic() > deadline:
-            server.check_alive()
-            raise TimeoutError(f"cluster still {status} after {deadline_s}s (waiting for {want})")
-        time.sleep(interval_s)
+        return None
+
+    def timed_out() -> TimeoutError:
+        server.check_alive()
+        return TimeoutError(f"cluster still {status} after {deadline_s}s (waiting for {want})")
+
+    done = poll(reached, deadline_s, interval_s, timed_out)
+    return done, polls
 
 
 def list_node_ids(client: Any, name: str) -> list[str]:
@@ -433,9 +258,10 @@ def verify_rollout(
 def wait_deleted(client: Any, server: Server, name: str, node_ids: list[str], deadline_s: float) -> float:
     """Wait until DescribeCluster says ResourceNotFound and every agent process has exited; seconds."""
     started = time.monotonic()
-    deadline = started + deadline_s
     gone = False
-    while True:
+
+    def finished() -> float | None:
+        nonlocal gone
         if not gone:
             try:
                 client.describe_cluster(ClusterName=name)
@@ -445,14 +271,17 @@ def wait_deleted(client: Any, server: Server, name: str, node_ids: list[str], de
                 gone = True
         if gone and not any(find_agent_pids(n) for n in node_ids):
             return time.monotonic() - started
-        if time.monotonic() > deadline:
-            server.check_alive()
-            left = sum(len(find_agent_pids(n)) for n in node_ids)
-            raise TimeoutError(
-                f"{name}: {'gone' if gone else 'still described'}, {left} agent process(es) left "
-                f"after {deadline_s}s"
-            )
-        time.sleep(0.1)
+        return None
+
+    def timed_out() -> TimeoutError:
+        server.check_alive()
+        left = sum(len(find_agent_pids(n)) for n in node_ids)
+        return TimeoutError(
+            f"{name}: {'gone' if gone else 'still described'}, {left} agent process(es) left "
+            f"after {deadline_s}s"
+        )
+
+    return poll(finished, deadline_s, 0.1, timed_out)
 
 
 # ---------------------------------------------------------------------- measurement
@@ -481,14 +310,14 @@ class Row:
 def measure_size(
     client: Any,
     server: Server,
-    headers: tuple[tuple[str, str], ...],
+    describe: WireRequest,
     size: int,
     repeats: int,
     create_timeout_s: float,
     rollout_timeout_s: float,
 ) -> Row:
     name = f"bench-rollout-{size}"
-    raw = RawDescribe(server.port, headers, name)
+    raw = RawDescribe(server.port, describe, name)
     try:
         started = time.perf_counter()
         create_cluster(client, name, size)
@@ -528,11 +357,9 @@ def measure_size(
             agents_cpu.append((agents_after - agents_before) * 1000)
             generation = verify_rollout(server, name, node_ids, generation + 1, percentage)
             generations.append(generation)
-            print(
+            progress(
                 f"  {size:>3} nodes, rollout {i + 1}/{repeats}: {rollouts[-1]:8.1f} ms "
-                f"(generation {generation}, {percentage} %)",
-                file=sys.stderr,
-                flush=True,
+                f"(generation {generation}, {percentage} %)"
             )
 
         rss = [r for r in (rss_bytes(p) for p in agent_pids) if r is not None]
@@ -568,34 +395,23 @@ def measure_size(
 # ---------------------------------------------------------------------- report
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
 def render(rows: list[Row], base: int, target_line: str | None, notes: list[str]) -> str:
     header = (
         f"{'nodes':>5} {'create s':>9} {'median ms':>10} {'min ms':>8} {f'x {base}-node':>10} "
         f"{'call ms':>8} {'polls':>6} {'srv CPU ms':>10} {'agt CPU ms':>10} {'agt RSS MiB':>12} "
         f"{'max MiB':>8} {'srv RSS MiB':>12}"
     )
-    lines = [header, "-" * len(header)]
+    lines = table(header)
     for r in rows:
         lines.append(
             f"{r.nodes:>5} {r.create_s:>9.2f} {r.median_ms:>10.1f} {r.min_ms:>8.1f} "
-            f"{_fmt(r.ratio_to_base, '.2f'):>10} {r.update_call_ms:>8.1f} {r.polls:>6.0f} "
-            f"{_fmt(r.server_cpu_ms, '.0f'):>10} {r.agents_cpu_ms:>10.0f} {r.agent_rss_mean_mib:>12.1f} "
-            f"{r.agent_rss_max_mib:>8.1f} {_fmt(r.server_rss_mib, '.1f'):>12}"
+            f"{fmt(r.ratio_to_base, '.2f'):>10} {r.update_call_ms:>8.1f} {r.polls:>6.0f} "
+            f"{fmt(r.server_cpu_ms, '.0f'):>10} {r.agents_cpu_ms:>10.0f} {r.agent_rss_mean_mib:>12.1f} "
+            f"{r.agent_rss_max_mib:>8.1f} {fmt(r.server_rss_mib, '.1f'):>12}"
         )
-    lines.append("")
     if target_line:
-        lines.append(target_line)
-        lines.append("")
-    lines.extend(f"note: {n}" for n in notes)
-    return "\n".join(lines)
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+        lines += ["", target_line]
+    return with_notes(lines, notes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,36 +429,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollout-timeout", type=float, default=120.0, help="seconds for one rollout")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    try:
-        sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
-    except ValueError:
-        parser.error(f"--sizes must list positive integers, got {args.sizes!r}")
+    sizes = int_list_option(parser, "--sizes", args.sizes)
     if not sizes or min(sizes) < 1 or max(sizes) > 1000 or args.repeats < 1:
         parser.error("--sizes must list integers in 1..1000 and --repeats be >= 1")
 
     # SIGTERM (a timeout wrapper, a CI cancel) unwinds like Ctrl-C, so `finally` stops the agents.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
     workdir = Path(tempfile.mkdtemp(prefix="hpsim-rollout-"))
     server: Server | None = None
     try:
-        server = start_server(workdir)
+        server = start_hpsim(workdir, HPSIM_SETTINGS)
         wait_ready(server, args.startup_timeout)
         client = make_client(server.endpoint)
         client.list_clusters()  # load botocore's model outside any measurement
-        # boto3's DescribeCluster headers, recorded once (the cluster need not exist).
-        headers = capture_describe_headers(client, "bench-rollout-capture")
+        # boto3's DescribeCluster request, recorded once (the cluster need not exist).
+        describe = capture_describe(client, "bench-rollout-capture")
 
         rows: list[Row] = []
         for size in sizes:
             row = measure_size(
-                client, server, headers, size, args.repeats, args.create_timeout, args.rollout_timeout
+                client, server, describe, size, args.repeats, args.create_timeout, args.rollout_timeout
             )
             rows.append(row)
-            print(
+            progress(
                 f"  measured {size} nodes: create {row.create_s:.1f} s, rollout median "
-                f"{row.median_ms:.1f} ms, delete {row.delete_s:.1f} s",
-                file=sys.stderr,
-                flush=True,
+                f"{row.median_ms:.1f} ms, delete {row.delete_s:.1f} s"
             )
 
         base = rows[0]
@@ -702,17 +513,13 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "notes": notes,
             }
-            args.json.write_text(json.dumps(payload, indent=2) + "\n")
+            write_json(args.json, payload)
         return 0
     finally:
-        if server is not None:
-            try:
-                server.stop()
-            except Exception as exc:
-                print(f"warning: could not stop hyperpod-sim: {exc!r}", file=sys.stderr)
+        stop_servers([] if server is None else [server])
         left = kill_leftover_agents(workdir)
         if left:
-            print(f"  stopped {left} leftover agent process(es)", file=sys.stderr)
+            progress(f"  stopped {left} leftover agent process(es)")
         shutil.rmtree(workdir, ignore_errors=True)
 
 
