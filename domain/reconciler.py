@@ -348,17 +348,7 @@ class Reconciler:
                     else:
                         outcome.note_due(deadline)
             if reason is not None:
-                node.status = NodeStatus.FAILURE
-                node.status_message = f"Node failed: {reason}."
-                events.record(
-                    session,
-                    ids=self.ids,
-                    now=now,
-                    cluster=cluster,
-                    node=node,
-                    level=Level.ERROR,
-                    description=f"Node {node.id} failed: {reason}.",
-                )
+                self._fail(session, cluster, node, now, reason)
                 outcome.changed = True
             if node.status == NodeStatus.FAILURE and cluster.node_recovery == "Automatic":
                 group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
@@ -380,6 +370,20 @@ class Reconciler:
                 outcome.changed = outcome.again = True
         if replaced:
             cluster.generation += 1  # the ring changed: every node's replica peers may have
+
+    def _fail(self, session: Session, cluster: Cluster, node: Node, now: datetime, reason: str) -> None:
+        """Mark a node failed, with the reason in its status and an Error event."""
+        node.status = NodeStatus.FAILURE
+        node.status_message = f"Node failed: {reason}."
+        events.record(
+            session,
+            ids=self.ids,
+            now=now,
+            cluster=cluster,
+            node=node,
+            level=Level.ERROR,
+            description=f"Node {node.id} failed: {reason}.",
+        )
 
     def _new_node(
         self,
@@ -459,17 +463,7 @@ class Reconciler:
                 try:
                     self.provisioner.launch(cluster, node)
                 except OSError as exc:
-                    node.status = NodeStatus.FAILURE
-                    node.status_message = f"Node failed: its agent could not start: {exc}."
-                    events.record(
-                        session,
-                        ids=self.ids,
-                        now=now,
-                        cluster=cluster,
-                        node=node,
-                        level=Level.ERROR,
-                        description=node.status_message,
-                    )
+                    self._fail(session, cluster, node, now, f"its agent could not start: {exc}")
 
     def _claim_pushes(self, cluster: Cluster, now: datetime, outcome: Outcome) -> None:
         members = [n for n in cluster.nodes if n.status in LIVE]
