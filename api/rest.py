@@ -304,6 +304,113 @@ async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
     }
 
 
+CHECKPOINT_POLICY_EXAMPLE = {
+    "S3BaseUri": "s3://my-checkpoints/llama",
+    "PersistEverySteps": 100,
+    "PersistEverySeconds": 1800,
+    "S3Retention": 5,
+    "InMemoryRetention": 3,
+    "ReplicationFactor": 1,
+}
+CHECKPOINT_POLICY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "S3BaseUri": {
+            "type": ["string", "null"],
+            "maxLength": 1024,
+            "description": "s3://bucket[/prefix] where agents persist complete steps; null: no S3 tier.",
+        },
+        "PersistEverySteps": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "description": "Persist every N steps.",
+        },
+        "PersistEverySeconds": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "description": "Persist at least every T seconds.",
+        },
+        "S3Retention": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "description": "Keep the newest K persisted steps on S3; null: keep all.",
+        },
+        "InMemoryRetention": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": 100,
+            "default": 3,
+            "description": "Steps kept in memory per namespace; a trainer may ask for fewer.",
+        },
+        "ReplicationFactor": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 3,
+            "default": 1,
+            "description": "Copies of each shard on the next nodes of the ring.",
+        },
+    },
+}
+
+
+async def _policy_answer(cluster: Any, policy: Any) -> dict[str, Any]:
+    return {
+        "ClusterName": cluster.name,
+        "ClusterArn": cluster.arn,
+        **policy.to_wire(),
+        "PolicyGeneration": cluster.generation,
+    }
+
+
+@router.get(
+    "/clusters/{name}/checkpoint-policy",
+    summary="The cluster's checkpoint policy (hyperpod-sim extension)",
+    description="Where and how often agents persist complete steps to S3, S3 and in-memory "
+    "retention, and the replication factor. Defaults until set: no S3 tier, in-memory retention 3, "
+    "one replica.",
+    tags=["checkpointing"],
+    responses={200: {"content": {"application/json": {"example": CHECKPOINT_POLICY_EXAMPLE}}}},
+)
+async def get_checkpoint_policy(name: str, services: ServicesDep) -> dict[str, Any]:
+    try:
+        cluster, policy = await run_in_threadpool(lambda: services.clusters.checkpoint_policy(name=name))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    return await _policy_answer(cluster, policy)
+
+
+@router.put(
+    "/clusters/{name}/checkpoint-policy",
+    summary="Replace the cluster's checkpoint policy (hyperpod-sim extension)",
+    description="Omitted members take their defaults. Rolls out like UpdateCluster: the cluster is "
+    "Updating until every agent applied the new policy generation. Errors in the AWS shape "
+    "(ValidationException naming each bad member, ConflictException unless InService).",
+    tags=["checkpointing"],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": CHECKPOINT_POLICY_SCHEMA, "example": CHECKPOINT_POLICY_EXAMPLE}
+            },
+        }
+    },
+)
+async def put_checkpoint_policy(name: str, request: Request, services: ServicesDep) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError as exc:
+        raise SerializationException("The request body is not valid JSON.") from exc
+    try:
+        cluster, policy = await run_in_threadpool(
+            lambda: services.clusters.put_checkpoint_policy(name=name, body=body)
+        )
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    return await _policy_answer(cluster, policy)
+
+
 def _aws_json_entry_doc() -> dict[str, Any]:
     """OpenAPI entry for ``POST /``, which api/awsjson.py serves in front of the routes."""
     return {

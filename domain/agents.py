@@ -15,10 +15,11 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, selectinload
 
 from domain import events
+from domain.checkpoint_policy import CheckpointPolicy
 from domain.clock import Clock, Ids
 from domain.errors import AgentProtocolError
 from domain.lifecycle import NodeStatus
-from domain.policy import DEFAULT_IN_MEMORY_RETENTION, build_policy, ring
+from domain.policy import build_policy, ring
 from models import CheckpointNamespace, Cluster, Database, Node
 
 LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
@@ -266,7 +267,11 @@ class AgentService:
                 cluster_id=cluster.id,
                 name=name,
                 num_ranks=num_ranks,
-                steps_retained=min(steps_retained, DEFAULT_IN_MEMORY_RETENTION),
+                # A trainer may keep fewer steps in memory than the cluster's policy, never more.
+                steps_retained=min(
+                    steps_retained,
+                    CheckpointPolicy.from_stored(cluster.checkpoint_policy).in_memory_retention,
+                ),
                 created_at=self.clock.now(),
             )
             session.add(namespace)

@@ -21,6 +21,7 @@ from sqlalchemy import Select, bindparam, delete, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from domain import events
+from domain.checkpoint_policy import CheckpointPolicy, parse_policy
 from domain.clock import Clock, Ids
 from domain.errors import (
     ConflictException,
@@ -342,6 +343,36 @@ class ClusterService:
             )
         self.on_change()
         return cluster
+
+    def checkpoint_policy(self, *, name: str) -> tuple[Cluster, CheckpointPolicy]:
+        with self.db.read() as session:
+            cluster = self._get(session, name)
+            return cluster, CheckpointPolicy.from_stored(cluster.checkpoint_policy)
+
+    def put_checkpoint_policy(self, *, name: str, body: object) -> tuple[Cluster, CheckpointPolicy]:
+        """Replace the cluster's checkpoint policy; like UpdateCluster, it rolls out to every
+        agent (Updating until each has applied the new generation)."""
+        policy = parse_policy(body)
+        with self.db.write() as session:
+            cluster = self._get(session, name, lock=True)
+            if cluster.status not in MUTABLE:
+                raise ConflictException(
+                    f"Cluster '{cluster.name}' is {cluster.status}; its checkpoint policy can change only "
+                    "while the cluster is InService."
+                )
+            cluster.checkpoint_policy = policy.to_wire()
+            cluster.status = check_transition(cluster.status, ClusterStatus.UPDATING)
+            cluster.generation += 1
+            cluster.updated_time = self.clock.now()
+            events.record(
+                session,
+                ids=self.ids,
+                now=cluster.updated_time,
+                cluster=cluster,
+                description=f"Checkpoint policy changed; policy generation {cluster.generation}.",
+            )
+        self.on_change()
+        return cluster, policy
 
     def agent_bootstrap(self, *, name: str) -> Cluster:
         """The cluster with its bootstrap token, for starting external agents."""

@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from domain.checkpoint_policy import CheckpointPolicy
 from domain.instance_types import instance_memory_bytes
 from models import Cluster, Node
-
-DEFAULT_IN_MEMORY_RETENTION = 3
-DEFAULT_REPLICATION_FACTOR = 1
 
 
 def ring(cluster: Cluster, nodes: Sequence[Node]) -> list[Node]:
@@ -35,11 +33,12 @@ def build_policy(
     enabled = tiered.get("Mode") == "Enable"
     # Peers are named by node id: their endpoints come and go with agent restarts without
     # changing the policy; agents look them up with the members call of the agent API.
+    checkpoint = CheckpointPolicy.from_stored(cluster.checkpoint_policy)
     ordered = ring(cluster, members)
     peers: list[dict[str, Any]] = []
     if enabled and node in ordered and len(ordered) > 1:
         index = ordered.index(node)
-        factor = min(DEFAULT_REPLICATION_FACTOR, len(ordered) - 1)
+        factor = min(checkpoint.replication_factor, len(ordered) - 1)
         for step in range(1, factor + 1):
             peers.append({"node_id": ordered[(index + step) % len(ordered)].id})
     return {
@@ -54,7 +53,7 @@ def build_policy(
             "memory_percentage": tiered.get("InstanceMemoryAllocationPercentage") if enabled else None,
         },
         "memory_budget_bytes": memory_budget_bytes(cluster, node.instance_type, memory_scale),
-        "in_memory_retention": DEFAULT_IN_MEMORY_RETENTION,
-        "replication": {"factor": DEFAULT_REPLICATION_FACTOR if enabled else 0, "peers": peers},
-        "s3": None,
+        "in_memory_retention": checkpoint.in_memory_retention,
+        "replication": {"factor": checkpoint.replication_factor if enabled else 0, "peers": peers},
+        "s3": checkpoint.s3_document() if enabled else None,
     }

@@ -56,6 +56,8 @@ class Cluster(Base):
     extra: Mapped[dict[str, Any]]
     # Bumped by every change of the desired state; the reconciler works until it is observed.
     generation: Mapped[int] = mapped_column(Integer, default=1)
+    # The checkpoint policy extension (domain/checkpoint_policy.py), in its wire shape; None: defaults.
+    checkpoint_policy: Mapped[dict[str, Any] | None]
     # Agent <-> control plane secrets (docs/agent-protocol.md).
     token: Mapped[str] = mapped_column(String(64))
     bootstrap_token: Mapped[str] = mapped_column(String(64))
