@@ -273,6 +273,19 @@ class ClusterService:
             spec=spec,
         )
 
+    def _start_rollout(self, session: Session, cluster: Cluster, what: str) -> None:
+        """InService -> Updating with a new policy generation, until every node applied it."""
+        cluster.status = check_transition(cluster.status, ClusterStatus.UPDATING)
+        cluster.generation += 1
+        cluster.updated_time = self.clock.now()
+        events.record(
+            session,
+            ids=self.ids,
+            now=cluster.updated_time,
+            cluster=cluster,
+            description=f"{what}; policy generation {cluster.generation}.",
+        )
+
     # ------------------------------------------------------------------ operations
 
     def create_cluster(
@@ -361,16 +374,7 @@ class ClusterService:
                     "while the cluster is InService."
                 )
             cluster.checkpoint_policy = policy.to_wire()
-            cluster.status = check_transition(cluster.status, ClusterStatus.UPDATING)
-            cluster.generation += 1
-            cluster.updated_time = self.clock.now()
-            events.record(
-                session,
-                ids=self.ids,
-                now=cluster.updated_time,
-                cluster=cluster,
-                description=f"Checkpoint policy changed; policy generation {cluster.generation}.",
-            )
+            self._start_rollout(session, cluster, "Checkpoint policy changed")
         self.on_change()
         return cluster, policy
 
@@ -481,16 +485,7 @@ class ClusterService:
             cluster.tiered_storage = tiered
             if extra:
                 cluster.extra = {**cluster.extra, **extra}
-            cluster.status = check_transition(cluster.status, ClusterStatus.UPDATING)
-            cluster.generation += 1
-            cluster.updated_time = self.clock.now()
-            events.record(
-                session,
-                ids=self.ids,
-                now=cluster.updated_time,
-                cluster=cluster,
-                description=f"Cluster update started; policy generation {cluster.generation}.",
-            )
+            self._start_rollout(session, cluster, "Cluster update started")
         self.on_change()
         return cluster
 
