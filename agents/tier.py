@@ -598,12 +598,41 @@ class MemoryTier:
         old = {p["node_id"] for p in ((previous or {}).get("replication") or {}).get("peers", [])}
         new = [p["node_id"] for p in (current.get("replication") or {}).get("peers", [])]
         added = [peer for peer in new if peer not in old]
-        if added and previous is not None:
+        if previous is None:
+            # The first policy since this agent started: shards it found in shared memory may
+            # have lost their replica in the crash that restarted it; check the peers' indexes.
+            if new and any(info.replica_of is None for info in self.store.shards()):
+                self._spawn(self._restore_replicas(new))
+        elif added:
             self._members.clear()
             for info in self.store.shards():
                 if info.replica_of is None:
                     self.counters.replication_pending.setdefault(info.key, time.time())
                     self._spawn(self._replicate(info, added))
+
+    async def _restore_replicas(self, peers: list[str]) -> None:
+        """Send this node's own shards to the peers whose index lacks them."""
+        own = [info for info in self.store.shards() if info.replica_of is None]
+        for peer in peers:
+            endpoint = (await self.members(refresh=True)).get(peer)
+            if endpoint is None:
+                continue  # not registered yet: its replicas come when the policy names it anew
+            for name in sorted({info.key.namespace for info in own}):
+                try:
+                    response = await self._peers.get(
+                        f"{endpoint}/v1/internal/index/{quote(name, safe='')}", headers=self._token_header()
+                    )
+                except httpx.HTTPError:
+                    continue
+                if response.status_code != 200:
+                    continue
+                held = {
+                    (int(step), rank) for step, ranks in response.json()["steps"].items() for rank in ranks
+                }
+                for info in own:
+                    if info.key.namespace == name and (info.key.step, info.key.rank) not in held:
+                        self.counters.replication_pending.setdefault(info.key, time.time())
+                        await self._replicate(info, [peer])
 
 
 async def _slices(view: memoryview, size: int = 1 << 20) -> AsyncIterator[bytes]:

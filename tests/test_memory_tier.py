@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -320,3 +321,43 @@ def test_replacement_rebuilds_the_replicas_it_should_hold(agent_plane: ControlPl
     )
     assert response.status_code == 200
     assert response.content == data
+
+
+def test_restarted_agent_restores_missing_replicas(
+    agent_plane: ControlPlane, sm: Any, tmp_path: Path
+) -> None:
+    nodes = cluster(sm, agent_plane, "restart", 2, recovery="None")
+    (a, b), owner = (url(n) for n in nodes), nodes[0]["InstanceId"]
+    create_namespace(a, "job", 1)
+    data = os.urandom(150_000)
+    assert put(a, "job", 0, 3, data).status_code == 200
+    wait_for(lambda: replicated(a), timeout=30, what="the replica")
+    token = agent_plane.services.clusters.agent_bootstrap(name="restart").token
+    auth = {"Authorization": f"Bearer {token}"}
+    # The replica is lost (as if the owner crashed before sending it)...
+    assert httpx.delete(f"{b}/v1/internal/shards/job/0/3", headers=auth).status_code == 200
+    assert metric(b, "hpsim_tier_shards") == 0
+    # ...and the owner's agent crashes and comes back on the same node, same shared memory.
+    (pid,) = find_agent_pids(owner)
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    environ = dict(
+        item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+    )
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not find_agent_pids(owner), timeout=30, what="the agent to die")
+    with open(tmp_path / "restarted.log", "wb") as log:
+        restarted = subprocess.Popen(argv, env=environ, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: metric_or_zero(b, "hpsim_tier_shards") == 1, timeout=60, what="the replica restored")
+        response = httpx.get(f"{b}/v1/internal/shards/job/0/3", headers=auth)
+        assert response.content == data
+    finally:
+        restarted.kill()
+        restarted.wait(timeout=30)
+
+
+def metric_or_zero(agent: str, name: str) -> float:
+    try:
+        return metric(agent, name)
+    except httpx.HTTPError:
+        return 0.0
