@@ -116,6 +116,14 @@ class ControlPlaneClient:
         path = f"{self._prefix}/nodes/{quote(node_id, safe='')}/policy"
         return await self._call("GET", path, token=token, json_body=None)
 
+    async def request(
+        self, method: str, suffix: str, *, token: str | None, json_body: Any = None
+    ) -> httpx.Response:
+        """Any call under this cluster's ``/agent/v1/clusters/{cluster}`` prefix, answered as it
+        comes (the in-memory tier reads 201/404/409 itself); transport errors are raised."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return await self._client.request(method, f"{self._prefix}{suffix}", headers=headers, json=json_body)
+
     async def _call(self, method: str, path: str, *, token: str, json_body: Any) -> Reply:
         headers = {"Authorization": f"Bearer {token}"}
         try:

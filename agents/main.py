@@ -85,10 +85,13 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
     )
     port: int = sock.getsockname()[1]
     shm_dir = settings.shm_dir or Path("/dev/shm/hpsim") / (settings.node_id or f"{settings.cluster}-{port}")
+    client = ControlPlaneClient(
+        base_url=settings.control_plane, cluster=settings.cluster, timeout_s=settings.request_timeout_s
+    )
     tier = MemoryTier(
         state=state,
         store=ShardStore(shm_dir),
-        control_plane_url=settings.control_plane,
+        control_plane=client,
         replication=settings.replication,
     )
     server = HttpServer(handler=AgentApp(state=state, tier=tier), sock=sock)
@@ -106,9 +109,6 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
     for signum in signals:
         loop.add_signal_handler(signum, stop.set)
 
-    client = ControlPlaneClient(
-        base_url=settings.control_plane, cluster=settings.cluster, timeout_s=settings.request_timeout_s
-    )
     memory_bytes = settings.memory_bytes if settings.memory_bytes is not None else machine_memory_bytes()
     agent_loop = AgentLoop(
         state=state,

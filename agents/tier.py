@@ -34,6 +34,7 @@ from urllib.parse import parse_qs, quote, unquote
 
 import httpx
 
+from agents.control_plane import ControlPlaneClient
 from agents.httpserver import Request, Response, error_response, json_response
 from agents.state import AgentState, AuthStatus
 from agents.store import (
@@ -115,9 +116,8 @@ class MemoryTier:
         *,
         state: AgentState,
         store: ShardStore,
-        control_plane_url: str,
+        control_plane: ControlPlaneClient,
         replication: str = "async",
-        timeout_s: float = 60.0,
         peer_timeout_s: float = 10.0,
     ) -> None:
         self.state = state
@@ -126,7 +126,7 @@ class MemoryTier:
         self.counters = TierCounters()
         self._namespaces: dict[str, Namespace] = {}
         self._members: dict[str, str] = {}  # node id -> endpoint
-        self._cp = httpx.AsyncClient(base_url=control_plane_url, timeout=timeout_s, trust_env=False)
+        self._cp = control_plane  # the agent's own client: one connection pool to the control plane
         # Other agents: a hung one (stopped, partitioned) must not hold a read or `latest` for
         # long; the timeout is per network wait, so big shards still stream.
         self._peers = httpx.AsyncClient(
@@ -139,7 +139,6 @@ class MemoryTier:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._cp.aclose()
         await self._peers.aclose()
 
     # ------------------------------------------------------------------ routing
@@ -217,13 +216,11 @@ class MemoryTier:
         token = self.state.cluster_token
         return {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
 
-    def _cp_path(self, suffix: str) -> str:
-        return f"/agent/v1/clusters/{quote(self.state.cluster, safe='')}{suffix}"
-
     async def _cp_call(self, method: str, suffix: str, body: Any = None) -> httpx.Response:
+        token = self.state.cluster_token
         try:
             return await self._cp.request(
-                method, self._cp_path(suffix), json=body, headers=self._token_header()
+                method, suffix, token=token.get_secret_value() if token else None, json_body=body
             )
         except httpx.HTTPError as exc:
             raise TierError(
