@@ -177,6 +177,10 @@ def test_concurrent_updates_one_wins(control_plane: ControlPlane) -> None:
     sm = control_plane.client()
     in_service(control_plane, sm, "c", group(count=1))
     for round_ in range(3):
+        # Both updates scale to a count the cluster does not have yet, so whichever commits first
+        # leaves the cluster Updating (new nodes wait on the manual clock) and the other must lose.
+        # A no-op count would let the first finish at once and the second win fairly after it.
+        current = sm.describe_cluster(ClusterName="c")["InstanceGroups"][0]["TargetCount"]
         barrier = threading.Barrier(2)
         outcomes: list[str] = []
 
@@ -190,7 +194,7 @@ def test_concurrent_updates_one_wins(control_plane: ControlPlane) -> None:
                 outcomes.append("conflict")
 
         threads = [
-            threading.Thread(target=update, args=(2 + round_ + i, barrier, outcomes)) for i in range(2)
+            threading.Thread(target=update, args=(current + 1 + i, barrier, outcomes)) for i in range(2)
         ]
         for thread in threads:
             thread.start()
