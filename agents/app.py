@@ -6,7 +6,7 @@ import json
 from collections.abc import Awaitable, Callable
 
 from agents.httpserver import Request, Response, error_response, json_response
-from agents.metrics import CONTENT_TYPE, agent_metrics, render, tier_metrics
+from agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier_metrics
 from agents.state import AgentState, ApplyStatus, AuthStatus
 from agents.tier import MemoryTier
 
@@ -89,6 +89,6 @@ class AgentApp:
     async def metrics(self, request: Request) -> Response:
         metrics = agent_metrics(self._state)
         if self._tier is not None:
-            metrics += tier_metrics(self._tier)
+            metrics += tier_metrics(self._tier) + s3_metrics(self._tier)
         body = render(metrics).encode()
         return Response(status=200, body=body, content_type=CONTENT_TYPE)

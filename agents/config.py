@@ -48,6 +48,17 @@ class AgentSettings(BaseSettings):
         description="async: a save is answered once the local copy is in memory, and replicated "
         "right after (the replication lag metric shows the window); sync: once the replicas are too.",
     )
+    s3_endpoint_url: str | None = Field(
+        default=None,
+        description="S3 endpoint this agent uses for the S3 tier, instead of the one in the cluster's "
+        "policy (for an agent that reaches S3 by another address). Credentials: the boto3 chain.",
+    )
+    drain_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="On SIGTERM, node deletion and Mode Disable: how long the agent may take to persist "
+        "the newest complete step that S3 does not hold yet before it stops.",
+    )
     instance_type: str | None = Field(default=None, description="Instance type reported at registration.")
     memory_bytes: int | None = Field(
         default=None, ge=0, description="Memory reported at registration. Default: this machine's."

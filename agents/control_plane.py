@@ -106,9 +106,20 @@ class ControlPlaneClient:
         return await self._call("POST", f"{self._prefix}/register", token=token, json_body=body)
 
     async def heartbeat(
-        self, *, token: str, node_id: str, applied_generation: int, endpoint: str, pid: int
+        self,
+        *,
+        token: str,
+        node_id: str,
+        applied_generation: int,
+        endpoint: str,
+        pid: int,
+        s3_status: dict[str, Any] | None = None,
     ) -> Reply:
-        body = {"applied_generation": applied_generation, "endpoint": endpoint, "pid": pid}
+        """``s3_status``: the S3 tier's status (docs/agent-protocol.md), sent as ``s3`` when given;
+        a heartbeat without it tells the control plane the node has no S3 tier."""
+        body: dict[str, Any] = {"applied_generation": applied_generation, "endpoint": endpoint, "pid": pid}
+        if s3_status is not None:
+            body["s3"] = s3_status
         path = f"{self._prefix}/nodes/{quote(node_id, safe='')}/heartbeat"
         return await self._call("POST", path, token=token, json_body=body)
 

@@ -15,6 +15,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import SecretStr
 
@@ -24,6 +25,8 @@ from agents.state import AgentState, ApplyStatus
 log = logging.getLogger("agents.loop")
 
 Sleep = Callable[[float], Awaitable[None]]
+# What each heartbeat reports as the node's S3 tier (its `s3` member); None: no S3 tier.
+StatusProvider = Callable[[], dict[str, Any] | None]
 
 
 class LoopOutcome(enum.Enum):
@@ -72,6 +75,7 @@ class AgentLoop:
         backoff: Backoff,
         permanent_retry_s: float,
         sleep: Sleep = asyncio.sleep,
+        status_provider: StatusProvider | None = None,
     ) -> None:
         self._state = state
         self._client = client
@@ -82,6 +86,7 @@ class AgentLoop:
         self._backoff = backoff
         self._permanent_retry_s = permanent_retry_s
         self._sleep = sleep
+        self._status_provider = status_provider
         self._failing_since_ok = 0
 
     @property
@@ -138,6 +143,7 @@ class AgentLoop:
             applied_generation=state.applied_generation,
             endpoint=self._identity.endpoint,
             pid=self._identity.pid,
+            s3_status=self._s3_status(),
         )
         if reply.failure is Failure.NOT_FOUND:
             log.warning(
@@ -159,6 +165,16 @@ class AgentLoop:
             return None  # pull() waited already
         await self._sleep(self._interval_s)
         return None
+
+    def _s3_status(self) -> dict[str, Any] | None:
+        """The status provider's answer; a failing provider costs the report, not the heartbeat."""
+        if self._status_provider is None:
+            return None
+        try:
+            return self._status_provider()
+        except Exception:
+            log.exception("the S3 status could not be read; heartbeating without it")
+            return None
 
     async def pull(self) -> bool:
         """Fetch the node's current policy and apply it; on failure, waits before returning False."""

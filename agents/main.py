@@ -93,6 +93,8 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
         store=ShardStore(shm_dir),
         control_plane=client,
         replication=settings.replication,
+        s3_endpoint_override=settings.s3_endpoint_url,
+        drain_timeout_s=settings.drain_timeout_s,
     )
     server = HttpServer(handler=AgentApp(state=state, tier=tier), sock=sock)
     await server.start()
@@ -124,6 +126,7 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
         adopt_control_plane_interval=not settings.heartbeat_interval_explicit,
         backoff=Backoff(initial_s=settings.register_backoff_initial_s, max_s=settings.register_backoff_max_s),
         permanent_retry_s=settings.permanent_retry_s,
+        status_provider=tier.s3.status,
     )
     loop_task = asyncio.create_task(agent_loop.run(), name="agent-loop")
     stop_task = asyncio.create_task(stop.wait(), name="agent-stop")
@@ -135,11 +138,15 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
                 log.error("the control plane loop ended unexpectedly", exc_info=loop_task.exception())
                 exit_code = 1
             elif loop_task.result() is LoopOutcome.NODE_DELETED:
-                log.warning("node %s was deleted: stopping and freeing its shared memory", state.node_id)
+                log.warning(
+                    "node %s was deleted: draining to S3, then freeing its shared memory", state.node_id
+                )
+                await tier.s3.drain(timeout_s=settings.drain_timeout_s, reason="node deleted")
                 tier.store.clear()
                 shutil.rmtree(shm_dir, ignore_errors=True)
         else:
-            log.info("signal received: stopping")
+            log.info("signal received: draining to S3, then stopping")
+            await tier.s3.drain(timeout_s=settings.drain_timeout_s, reason="agent stopped (SIGTERM)")
     finally:
         for task in (loop_task, stop_task):
             task.cancel()

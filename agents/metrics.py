@@ -167,3 +167,31 @@ def tier_metrics(tier: MemoryTier) -> list[Metric]:
             value=tier.counters.remote_reads_total,
         ),
     ]
+
+
+def s3_metrics(tier: MemoryTier) -> list[Metric]:
+    """The S3 tier: what it persisted and how far behind it is."""
+    s3, counters = tier.s3, tier.s3.counters
+    rows: list[tuple[str, Literal["gauge", "counter"], str, float]] = [
+        ("persisted_steps_total", "counter", "Steps committed on S3 by this agent.",
+         counters.persisted_steps_total),
+        ("uploaded_shards_total", "counter", "Shards uploaded by this agent.",
+         counters.uploaded_shards_total),
+        ("uploaded_bytes_total", "counter", "Bytes uploaded by this agent.", counters.uploaded_bytes_total),
+        ("upload_retries_total", "counter", "Whole-upload retries (botocore retries each request too).",
+         s3.upload_retries_total),
+        ("failures_total", "counter", "Persists that failed (retried, or superseded by a newer step).",
+         counters.failures_total),
+        ("pending_steps", "gauge", "Due steps not on S3 yet.", len(counters.due)),
+        ("lag_seconds", "gauge", "Age of the oldest due step not on S3 yet (0: none).",
+         counters.lag_s(time.time())),
+        ("fallback_reads_total", "counter", "Shards served from S3 (no agent held a good copy).",
+         counters.fallback_reads_total),
+        ("retention_deleted_steps_total", "counter", "Committed steps deleted by S3 retention.",
+         counters.retention_deleted_steps_total),
+        ("abandoned_steps_deleted_total", "counter", "Uncommitted steps (uploads that died) deleted.",
+         counters.abandoned_steps_deleted_total),
+        ("drain_failures_total", "counter", "Steps a drain could not persist.",
+         counters.drain_failures_total),
+    ]  # fmt: skip
+    return [Metric(name=f"hpsim_s3_{n}", kind=k, help=h, value=v) for n, k, h, v in rows]

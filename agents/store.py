@@ -278,11 +278,21 @@ def _write_sidecar(path: Path, *, current: _Record, previous: _Record | None) ->
 
 
 @dataclass(frozen=True)
+class _Spare:
+    """The file of a retired shard, kept (and counted in the budget) for reuse."""
+
+    path: Path
+    size: int
+    buffer_id: str
+
+
+@dataclass(frozen=True)
 class _Entry:
     """An index entry: a committed shard and the inode of its data file."""
 
     info: ShardInfo
     inode: int
+    buffer_id: str = ""
 
     @property
     def record(self) -> _Record:
@@ -305,11 +315,14 @@ class Reservation:
     the reservation) alive until it is released. One writer per reservation.
     """
 
-    def __init__(self, *, store: ShardStore, key: ShardKey, size: int, temp_path: Path) -> None:
+    def __init__(
+        self, *, store: ShardStore, key: ShardKey, size: int, temp_path: Path, buffer_id: str
+    ) -> None:
         self._store = store
         self._key = key
         self._size = size
         self._temp_path = temp_path
+        self._buffer_id = buffer_id
         self._mapping: mmap.mmap | None = None
         self._inode = 0
         self._state: _State = "open"
@@ -322,6 +335,18 @@ class Reservation:
     @property
     def size(self) -> int:
         return self._size
+
+    @property
+    def path(self) -> Path:
+        """The file being written (a process on this host may map it and write into it)."""
+        return self._temp_path
+
+    @property
+    def buffer_id(self) -> str:
+        """Names the file's memory across steps: a retired shard's file is reused for the next
+        reservation of the same namespace and rank, keeping its buffer id (and inode), so a
+        writer that keeps its mapping by buffer id writes into pages already in place."""
+        return self._buffer_id
 
     def __enter__(self) -> Reservation:
         return self
@@ -337,6 +362,28 @@ class Reservation:
         if self._mapping is None:
             return memoryview(bytearray())
         return memoryview(self._mapping)
+
+    def commit_written(self, *, size: int, replica_of: str | None = None) -> ShardInfo:
+        """Commit the first ``size`` bytes (at most the reserved size), with the checksum computed
+        here: for bytes another process on this host wrote into ``path``. The rest of the
+        reservation is given back."""
+        self._require_open()
+        try:
+            if not 0 <= size <= self._size:
+                raise ValueError(f"{size} bytes were written into a reservation of {self._size}")
+            if size < self._size:
+                self._release_mapping()
+                os.truncate(self._temp_path, size)
+                self._store._shrink(self, size)
+                if size:
+                    with open(self._temp_path, "rb") as handle:
+                        self._mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ)
+            checksum = checksum_of(self._mapping if self._mapping is not None and size else b"")
+            self._release_mapping()
+            return self._store._publish(self, checksum=checksum, replica_of=replica_of)
+        except BaseException:
+            self.abort()
+            raise
 
     def commit(self, *, checksum: str, replica_of: str | None = None, verify: bool = True) -> ShardInfo:
         """Make the written bytes the shard of ``key``, replacing any shard of that key, atomically.
@@ -367,7 +414,8 @@ class Reservation:
         """Size the new file, allocate its memory now (ENOSPC here, not SIGBUS later), map it."""
         try:
             if self._size > 0:
-                _preallocate(fd, self._size)
+                if os.fstat(fd).st_size < self._size:  # a reused spare of this size is allocated already
+                    _preallocate(fd, self._size)
                 os.ftruncate(fd, self._size)
                 self._mapping = mmap.mmap(fd, self._size)
             self._inode = os.fstat(fd).st_ino
@@ -420,6 +468,11 @@ class ShardStore:
         self._committed_bytes = 0
         self._reserved_bytes = 0
         self._reservations: set[Reservation] = set()
+        # Files of retired primary shards kept for the next reservation of their (namespace, rank).
+        self._spares: dict[tuple[str, int], _Spare] = {}
+        self._spare_bytes = 0
+        # inode -> readers in this process (replication, S3 uploads, responses): not recycled.
+        self._pins: dict[int, int] = {}
         self._counters = StoreCounters()
         self._root.mkdir(parents=True, exist_ok=True)
         self._recover()
@@ -497,11 +550,17 @@ class ShardStore:
     ) -> tuple[Reservation, int]:
         with self._lock:
             self._check_can_ever_fit(size)
+            spare = self._spares.pop((key.namespace, key.rank), None)
+            if spare is not None:
+                self._spare_bytes -= spare.size
+            if self._in_use_locked() + size > self._budget:
+                self._drop_spares_locked()
             if self._in_use_locked() + size <= self._budget:
-                return self._open_locked(key, size)
+                return self._open_locked(key, size, spare)
         protected = frozenset(protect())
         with self._lock:
             self._check_can_ever_fit(size)
+            self._drop_spares_locked()
             in_use = self._in_use_locked()
             excess = in_use + size - self._budget
             if excess > 0:
@@ -520,7 +579,7 @@ class ShardStore:
                         ),
                     )
                 self._evict_locked(plan)
-            return self._open_locked(key, size)
+            return self._open_locked(key, size, spare)
 
     def _check_can_ever_fit(self, size: int) -> None:
         in_use = self._in_use_locked()
@@ -542,7 +601,7 @@ class ShardStore:
             )
 
     def _in_use_locked(self) -> int:
-        return self._committed_bytes + self._reserved_bytes
+        return self._committed_bytes + self._reserved_bytes + self._spare_bytes
 
     def _plan_locked(self, *, excess: int, exclude: AbstractSet[StepId]) -> tuple[list[StepId], int]:
         """Steps to evict, oldest first, until ``excess`` bytes are freed (or none are left); bytes freed."""
@@ -564,23 +623,36 @@ class ShardStore:
             freed += sizes[step]
         return plan, freed
 
-    def _evict_locked(self, steps: Iterable[StepId]) -> list[ShardKey]:
+    def _evict_locked(self, steps: Iterable[StepId], *, recycle: bool = False) -> list[ShardKey]:
         doomed = set(steps)
         keys = sorted(key for key in self._index if (key.namespace, key.step) in doomed)
         for key in keys:
-            self._remove_locked(key)
+            if not (recycle and self._retire_locked(key)):
+                self._remove_locked(key)
         self._counters.evictions_total += len(keys)
         return keys
 
     # -- writing
 
-    def _open_locked(self, key: ShardKey, size: int) -> tuple[Reservation, int]:
-        """A new reservation and the fd of its (empty) temporary file; counted in in_use at once."""
+    def _open_locked(self, key: ShardKey, size: int, spare: _Spare | None) -> tuple[Reservation, int]:
+        """A new reservation and the fd of its temporary file (a spare's, else a new empty one);
+        counted in in_use at once."""
         directory = self._shard_dir(key)
         directory.mkdir(parents=True, exist_ok=True)
         temp = directory / _temp_name(key.step, DATA_SUFFIX)
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        reservation = Reservation(store=self, key=key, size=size, temp_path=temp)
+        fd = -1
+        if spare is not None:
+            try:
+                os.replace(spare.path, temp)
+                fd = os.open(temp, os.O_RDWR)
+            except OSError:
+                spare.path.unlink(missing_ok=True)
+                temp.unlink(missing_ok=True)
+                spare = None
+        if fd < 0:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        buffer_id = spare.buffer_id if spare is not None else uuid.uuid4().hex
+        reservation = Reservation(store=self, key=key, size=size, temp_path=temp, buffer_id=buffer_id)
         self._reservations.add(reservation)
         self._reserved_bytes += size
         return reservation, fd
@@ -607,6 +679,7 @@ class ShardStore:
             entry = _Entry(
                 ShardInfo(key, record.size, checksum, replica_of, data_path, record.committed_at),
                 record.inode,
+                reservation.buffer_id,
             )
             self._index[key] = entry
             self._committed_bytes += record.size
@@ -627,6 +700,11 @@ class ShardStore:
         self._reservations.discard(reservation)
         self._reserved_bytes -= reservation.size
 
+    def _shrink(self, reservation: Reservation, size: int) -> None:
+        with self._lock:
+            self._reserved_bytes -= reservation._size - size
+            reservation._size = size
+
     def _count_checksum_failure(self) -> None:
         with self._lock:
             self._counters.checksum_failures_total += 1
@@ -637,6 +715,39 @@ class ShardStore:
         with self._lock:
             entry = self._index.get(key)
             return None if entry is None else entry.info
+
+    def pin(self, key: ShardKey) -> Callable[[], None]:
+        """Keep the file of ``key``'s current shard from being reused for a later shard while
+        this process reads it (it may still be deleted; an open file or mapping keeps its
+        bytes). Returns the unpin function (idempotent)."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return lambda: None
+            inode = entry.inode
+            self._pins[inode] = self._pins.get(inode, 0) + 1
+        done = False
+
+        def unpin() -> None:
+            nonlocal done
+            with self._lock:
+                if done:
+                    return
+                done = True
+                left = self._pins.get(inode, 1) - 1
+                if left:
+                    self._pins[inode] = left
+                else:
+                    self._pins.pop(inode, None)
+
+        return unpin
+
+    def local_path(self, key: ShardKey) -> tuple[ShardInfo, str] | None:
+        """The shard's info and buffer id, for a reader on this host that maps the file itself
+        (and checks the checksum itself: the file may be retired meanwhile)."""
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else (entry.info, entry.buffer_id)
 
     def read_verified(self, key: ShardKey) -> tuple[ShardInfo, memoryview]:
         """The shard's info and a read-only view of its file, once its checksum has been verified.
@@ -733,6 +844,7 @@ class ShardStore:
             for reservation in self._reservations:
                 if reservation.key.namespace == namespace:
                     reservation._cancelled = True
+            self._drop_spares_locked(namespace)
             return len(keys)
 
     def clear(self) -> None:
@@ -742,6 +854,7 @@ class ShardStore:
                 self._remove_locked(key)
             for reservation in self._reservations:
                 reservation._cancelled = True
+            self._drop_spares_locked()
 
     def enforce_retention(
         self, namespace: str, keep_steps: int, *, protect: ProtectFn = _nothing_protected
@@ -763,11 +876,41 @@ class ShardStore:
                 for step in self._older_steps_locked(namespace, keep_steps)
                 if (namespace, step) not in protected and (namespace, step) not in busy
             ]
-            return self._evict_locked(doomed)
+            return self._evict_locked(doomed, recycle=True)
 
     def _older_steps_locked(self, namespace: str, keep_steps: int) -> list[int]:
         steps = sorted({key.step for key in self._index if key.namespace == namespace}, reverse=True)
         return steps[keep_steps:]
+
+    def _retire_locked(self, key: ShardKey) -> bool:
+        """Keep a primary shard's file as its (namespace, rank)'s spare instead of deleting it:
+        the next save of that rank reuses its memory. False (nothing done) for a replica or a
+        file that a reader here holds."""
+        entry = self._index.get(key)
+        if entry is None or entry.info.replica_of is not None or self._pins.get(entry.inode):
+            return False
+        spare_path = entry.info.path.with_name(f".spare.{entry.buffer_id}{TEMP_SUFFIX}")
+        try:
+            os.replace(entry.info.path, spare_path)
+        except OSError:
+            return False
+        del self._index[key]
+        self._committed_bytes -= entry.info.size
+        entry.info.path.with_suffix(META_SUFFIX).unlink(missing_ok=True)
+        old = self._spares.pop((key.namespace, key.rank), None)
+        if old is not None:
+            self._spare_bytes -= old.size
+            old.path.unlink(missing_ok=True)
+        self._spares[(key.namespace, key.rank)] = _Spare(spare_path, entry.info.size, entry.buffer_id)
+        self._spare_bytes += entry.info.size
+        return True
+
+    def _drop_spares_locked(self, namespace: str | None = None) -> None:
+        for where in [w for w in self._spares if namespace is None or w[0] == namespace]:
+            spare = self._spares.pop(where)
+            self._spare_bytes -= spare.size
+            spare.path.unlink(missing_ok=True)
+            _prune_empty_dirs(spare.path.parent, stop=self._root)
 
     def _remove_locked(self, key: ShardKey) -> bool:
         """Drop a shard from the index and the disk (data first, then its sidecar)."""

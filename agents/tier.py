@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +37,12 @@ import httpx
 
 from agents.control_plane import ControlPlaneClient
 from agents.httpserver import Request, Response, error_response, json_response
+from agents.s3tier import S3Tier
 from agents.state import AgentState, AuthStatus
 from agents.store import (
     BudgetExceeded,
     CorruptShard,
+    Reservation,
     ReservationCancelled,
     ShardInfo,
     ShardKey,
@@ -68,6 +71,13 @@ class TierCounters:
 
 
 @dataclass(frozen=True)
+class _FastWrite:
+    reservation: Reservation
+    namespace: Namespace
+    deadline: float  # time.monotonic()
+
+
+@dataclass(frozen=True)
 class Namespace:
     name: str
     num_ranks: int
@@ -85,6 +95,11 @@ class TierError(Exception):
     def __init__(self, status: int, error: str, message: str, **extra: Any) -> None:
         super().__init__(message)
         self.response = error_response(status, error, message, **extra)
+
+
+def tier_of(info: ShardInfo) -> str:
+    """The ``X-Hpsim-Tier`` of a copy held here: this node's own shard, or a replica of another's."""
+    return "memory" if info.replica_of is None else "replica"
 
 
 def shard_meta(checksum: str) -> str:
@@ -119,6 +134,9 @@ class MemoryTier:
         control_plane: ControlPlaneClient,
         replication: str = "async",
         peer_timeout_s: float = 10.0,
+        s3_endpoint_override: str | None = None,
+        drain_timeout_s: float = 30.0,
+        fast_timeout_s: float = 120.0,
     ) -> None:
         self.state = state
         self.store = store
@@ -133,9 +151,14 @@ class MemoryTier:
             timeout=peer_timeout_s, trust_env=False, limits=httpx.Limits(max_connections=64)
         )
         self._tasks: set[asyncio.Task[None]] = set()
+        self.s3 = S3Tier(self, endpoint_override=s3_endpoint_override)
+        self._fast: dict[str, _FastWrite] = {}  # token -> an open same-host write
+        self.fast_timeout_s = fast_timeout_s
+        self.drain_timeout_s = drain_timeout_s
         state.listeners.append(self._on_policy)
 
     async def aclose(self) -> None:
+        await self.s3.aclose()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -146,8 +169,9 @@ class MemoryTier:
     async def handle(self, request: Request) -> Response | None:
         """The response for a tier route, or None if the path is not one of the tier's."""
         parts = [unquote(p) for p in request.path.strip("/").split("/")]
-        if parts[:2] == ["v1", "cp"]:
-            handler = self._public_route(request.method, parts[2:])
+        if parts[:2] in (["v1", "cp"], ["v1", "fast"]):
+            # /v1/cp/...: the library's protocol; /v1/fast/...: the same-host fast path of our SDK.
+            handler = self._public_route(request.method, parts[2:] if parts[1] == "cp" else parts[1:])
             if handler is None:
                 return None
             if not self.state.tiered_storage_enabled:
@@ -190,6 +214,14 @@ class MemoryTier:
                 return lambda r: self.delete_shard(name, rank, step)
             case "POST", ["cluster", "reset"]:
                 return lambda r: self.reset()
+            case "POST", ["fast", "reserve", name, rank, step]:
+                return lambda r: self.fast_reserve(name, rank, step, r)
+            case "POST", ["fast", "commit", token]:
+                return lambda r: self.fast_commit(token, r)
+            case "POST", ["fast", "abort", token]:
+                return lambda r: self.fast_abort(token)
+            case "GET", ["fast", "shards", name, rank, step]:
+                return lambda r: self.fast_locate(name, rank, step)
         return None
 
     def _internal_route(
@@ -198,10 +230,14 @@ class MemoryTier:
         match method, parts:
             case "GET", ["index", name]:
                 return lambda r: self.local_index(name)
+            case "GET", ["s3-steps", name]:
+                return lambda r: self.local_s3_steps(name)
             case "GET", ["shards", name, rank, step]:
                 return lambda r: self.local_shard(name, rank, step)
             case "PUT", ["replicas", name, rank, step]:
                 return lambda r: self.put_replica(name, rank, step, r)
+            case "POST", ["persist", name, step]:
+                return lambda r: self.persist(name, step, r)
             case "DELETE", ["shards", name, rank, step]:
                 return lambda r: self.local_delete(name, rank, step)
             case "DELETE", ["namespaces", name]:
@@ -271,6 +307,31 @@ class MemoryTier:
 
         results = await asyncio.gather(*(one(n, e) for n, e in members.items()))
         return [r for r in results if r is not None]
+
+    async def fan_out_post(
+        self, path: str, body: Any, *, timeout: httpx.Timeout
+    ) -> list[tuple[str, httpx.Response]]:
+        """A JSON POST to every other agent (the S3 tier's persist requests)."""
+        members = await self.members(refresh=True)
+
+        async def one(node_id: str, endpoint: str) -> tuple[str, httpx.Response] | None:
+            try:
+                response = await self._peers.post(
+                    f"{endpoint}{path}", json=body, headers=self._token_header(), timeout=timeout
+                )
+            except httpx.HTTPError as exc:
+                log.info("agent %s did not answer POST %s: %s", node_id, path, exc)
+                return None
+            return node_id, response
+
+        results = await asyncio.gather(*(one(n, e) for n, e in members.items()))
+        return [r for r in results if r is not None]
+
+    async def report_event(self, level: str, message: str) -> None:
+        """A cluster event about this node (shown by ListClusterEvents)."""
+        await self._cp_call(
+            "POST", "/events", {"node_id": self.state.node_id, "level": level, "message": message}
+        )
 
     # ------------------------------------------------------------------ namespaces
 
@@ -373,7 +434,7 @@ class MemoryTier:
         protected = set()
         for name in {s.key.namespace for s in self.store.shards()}:
             with contextlib.suppress(TierError):
-                steps = await self._complete_steps(name)
+                steps = await self.complete_steps(name)
                 if steps:
                     protected.add((name, steps[0]))
         return protected
@@ -381,7 +442,16 @@ class MemoryTier:
     async def put_shard(self, name: str, rank: str, step: str, request: Request) -> Response:
         namespace, key = await self._key(name, rank, step)
         info = await self._receive(key, request, replica_of=None)
-        self.store.enforce_retention(name, namespace.steps_retained, protect=lambda: {(name, key.step)})
+        await self._after_save(namespace, info)
+        return json_response(200, {"namespace": name, "rank": key.rank, "step": key.step, "size": info.size})
+
+    async def _after_save(self, namespace: Namespace, info: ShardInfo) -> None:
+        """A trainer's shard is stored here: retention, S3 scheduling, replication."""
+        key = info.key
+        self.store.enforce_retention(
+            key.namespace, namespace.steps_retained, protect=lambda: {(key.namespace, key.step)}
+        )
+        self.s3.on_saved(namespace, key)
         peers = self._peer_ids()
         if peers:
             if self.replication == "sync":
@@ -389,7 +459,105 @@ class MemoryTier:
             else:
                 self.counters.replication_pending[key] = time.time()
                 self._spawn(self._replicate(info, peers))
-        return json_response(200, {"namespace": name, "rank": key.rank, "step": key.step, "size": info.size})
+
+    # ------------------------------------------------------------------ same-host fast path
+
+    def _reserve(self, key: ShardKey, size: int, protect: set[tuple[str, int]]) -> Reservation:
+        try:
+            return self.store.reserve(key, size, protect=lambda: protect)
+        except BudgetExceeded as exc:
+            raise TierError(
+                507,
+                "InsufficientStorage",
+                str(exc),
+                needed=exc.needed,
+                budget=exc.budget,
+                in_use=exc.in_use,
+            ) from exc
+
+    async def fast_reserve(self, name: str, rank: str, step: str, request: Request) -> Response:
+        """Room for a shard in this agent's shared memory, as a file a trainer on this host maps
+        and writes into; it becomes the shard at ``fast_commit``. A reservation not committed
+        within ``fast_timeout_s`` is given back (its trainer died)."""
+        namespace, key = await self._key(name, rank, step)
+        try:
+            size = int(parse_qs(request.query)["size"][0])
+            if size < 0:
+                raise ValueError("negative")
+        except (KeyError, ValueError) as exc:
+            raise TierError(400, "InvalidSize", "the query parameter size is a byte count") from exc
+        protect: set[tuple[str, int]] = set()
+        if self.store.in_use_bytes + size > self.store.budget_bytes:
+            protect = await self._protected_steps()
+        reservation = await asyncio.to_thread(self._reserve, key, size, protect)
+        token = uuid.uuid4().hex
+        self._fast[token] = _FastWrite(reservation, namespace, time.monotonic() + self.fast_timeout_s)
+        if len(self._fast) == 1:
+            self._spawn(self._expire_fast_writes())
+        return json_response(
+            200,
+            {"token": token, "path": str(reservation.path), "buffer_id": reservation.buffer_id, "size": size},
+        )
+
+    async def fast_commit(self, token: str, request: Request) -> Response:
+        write = self._fast.pop(token, None)
+        if write is None:
+            raise TierError(404, "NoSuchReservation", "no open reservation with this token (expired?)")
+        reservation = write.reservation
+        try:
+            size = int(parse_qs(request.query).get("size", [str(reservation.size)])[0])
+            info = await asyncio.to_thread(reservation.commit_written, size=size)
+        except ValueError as exc:
+            raise TierError(400, "InvalidSize", str(exc)) from exc
+        except ReservationCancelled as exc:
+            raise TierError(409, "Cancelled", "the namespace was deleted or reset meanwhile") from exc
+        await self._after_save(write.namespace, info)
+        key = info.key
+        return json_response(
+            200,
+            {
+                "namespace": key.namespace,
+                "rank": key.rank,
+                "step": key.step,
+                "size": info.size,
+                "checksum": info.checksum,
+            },
+        )
+
+    async def fast_abort(self, token: str) -> Response:
+        write = self._fast.pop(token, None)
+        if write is not None:
+            write.reservation.abort()
+        return json_response(200, {"aborted": write is not None})
+
+    async def fast_locate(self, name: str, rank: str, step: str) -> Response:
+        """Where this node's copy of a shard is, for a trainer on this host to map and verify
+        itself; 404 if this node holds none (then it reads through ``GET /v1/cp/...``)."""
+        _, key = await self._key(name, rank, step)
+        found = self.store.local_path(key)
+        if found is None:
+            raise TierError(404, "ShardNotHere", "this node holds no copy; read it through /v1/cp")
+        info, buffer_id = found
+        return json_response(
+            200,
+            {
+                "path": str(info.path),
+                "size": info.size,
+                "checksum": info.checksum,
+                "buffer_id": buffer_id,
+                "tier": tier_of(info),
+            },
+        )
+
+    async def _expire_fast_writes(self) -> None:
+        while self._fast:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for token, write in list(self._fast.items()):
+                if write.deadline < now:
+                    del self._fast[token]
+                    write.reservation.abort()
+                    log.warning("a fast-path write of %s was never committed", write.reservation.key)
 
     async def put_replica(self, name: str, rank: str, step: str, request: Request) -> Response:
         owner = parse_qs(request.query).get("owner", [None])[0]
@@ -410,6 +578,7 @@ class MemoryTier:
         key = info.key
         path = f"/v1/internal/replicas/{quote(key.namespace, safe='')}/{key.rank}/{key.step}"
         query = f"?owner={quote(self.state.node_id or '')}"
+        unpin = self.store.pin(key)
         try:
             try:
                 checked, view = await asyncio.to_thread(self.store.read_verified, key)
@@ -426,6 +595,7 @@ class MemoryTier:
                 for peer in peers:
                     await self._send_replica(key, peer, f"{path}{query}", view, headers)
         finally:
+            unpin()
             self.counters.replication_pending.pop(key, None)
 
     async def _send_replica(
@@ -471,6 +641,15 @@ class MemoryTier:
         if remote is not None:
             self.counters.remote_reads_total += 1
             return remote
+        durable = await self.s3.read_shard(key)
+        if durable is not None:
+            data, checksum = durable
+            return Response(
+                status=200,
+                body=data,
+                content_type=OCTETS,
+                headers=(("Shard-Meta", shard_meta(checksum)), ("X-Hpsim-Tier", "s3")),
+            )
         raise TierError(404, "ShardNotFound", f"no good copy of rank {key.rank} step {key.step} of {name!r}")
 
     async def _local_copy(self, key: ShardKey) -> Response | None:
@@ -481,19 +660,27 @@ class MemoryTier:
         """
         if self.store.get(key) is None:
             return None
+        unpin = self.store.pin(key)
         try:
             info, view = await asyncio.to_thread(self.store.read_verified, key)
         except CorruptShard:
+            unpin()
             log.error("local copy of %s is corrupt; it was dropped", key)
             return None
         except (KeyError, FileNotFoundError):
+            unpin()
             return None
+
+        def sent() -> None:
+            view.release()
+            unpin()
+
         return Response(
             status=200,
             content_type=OCTETS,
             body=view,
-            headers=(("Shard-Meta", shard_meta(info.checksum)),),
-            on_sent=view.release,
+            headers=(("Shard-Meta", shard_meta(info.checksum)), ("X-Hpsim-Tier", tier_of(info))),
+            on_sent=sent,
         )
 
     async def _remote_copy(self, key: ShardKey) -> Response | None:
@@ -509,11 +696,13 @@ class MemoryTier:
             if checksum_of(response.content) != checksum:
                 log.error("copy of %s from %s failed its checksum; trying another", key, node_id)
                 continue
+            # The owner's own copy on another node is "peer"; a replica anywhere is "replica".
+            tier = "replica" if response.headers.get("x-hpsim-tier") == "replica" else "peer"
             return Response(
                 status=200,
                 body=response.content,
                 content_type=OCTETS,
-                headers=(("Shard-Meta", shard_meta(checksum)),),
+                headers=(("Shard-Meta", shard_meta(checksum)), ("X-Hpsim-Tier", tier)),
             )
         return None
 
@@ -532,7 +721,7 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ latest
 
-    async def _complete_steps(self, name: str) -> list[int]:
+    async def complete_steps(self, name: str) -> list[int]:
         namespace = await self.namespace(name)
         held: dict[int, set[int]] = {}
         for step, ranks in self.store.steps(name).items():
@@ -549,14 +738,38 @@ class MemoryTier:
             limit = int(parse_qs(request.query).get("limit", ["5"])[0])
         except ValueError as exc:
             raise TierError(400, "InvalidLimit", "limit must be an integer") from exc
-        steps = await self._complete_steps(name)
+        memory, durable = await asyncio.gather(self.complete_steps(name), self.s3.committed_steps(name))
+        steps = sorted(set(memory) | set(durable), reverse=True)
         return json_response(200, steps[: max(limit, 0)])
+
+    async def persist(self, name: str, step: str, request: Request) -> Response:
+        try:
+            body = json.loads(await request.read_body())
+            number = int(step)
+        except ValueError as exc:
+            raise TierError(
+                400, "InvalidPersist", f"a persist request needs a JSON body and a step: {exc}"
+            ) from exc
+        return json_response(200, await self.s3.handle_persist(name, number, body))
 
     # ------------------------------------------------------------------ internal (agent to agent)
 
     async def local_index(self, name: str) -> Response:
-        steps = {str(step): sorted(ranks) for step, ranks in self.store.steps(name).items()}
-        return json_response(200, {"node_id": self.state.node_id, "steps": steps})
+        """step -> ranks held here: ``steps`` every copy, ``primary`` this node's own shards,
+        ``replica`` the copies it holds of other nodes' shards (``steps`` is their union)."""
+        held: dict[str, dict[int, set[int]]] = {"steps": {}, "primary": {}, "replica": {}}
+        for info in self.store.shards(name):
+            kind = "primary" if info.replica_of is None else "replica"
+            for member in ("steps", kind):
+                held[member].setdefault(info.key.step, set()).add(info.key.rank)
+        index: dict[str, Any] = {"node_id": self.state.node_id}
+        for member, steps in held.items():
+            index[member] = {str(step): sorted(ranks) for step, ranks in sorted(steps.items())}
+        return json_response(200, index)
+
+    async def local_s3_steps(self, name: str) -> Response:
+        """The steps of ``name`` committed on S3 (with a marker), newest first; [] without an S3 tier."""
+        return json_response(200, {"steps": await self.s3.committed_steps(name)})
 
     async def local_shard(self, name: str, rank: str, step: str) -> Response:
         try:
@@ -590,8 +803,16 @@ class MemoryTier:
     # ------------------------------------------------------------------ policy changes
 
     def _on_policy(self, previous: dict[str, Any] | None, current: dict[str, Any]) -> None:
-        """Budget changes evict down; new replica peers get this node's own shards."""
-        self.store.set_budget(int(current.get("memory_budget_bytes") or 0))
+        """Budget changes evict down; new replica peers get this node's own shards; the S3 tier
+        follows the policy's ``s3`` member. Switching tiered storage off (budget 0) first drains
+        the newest complete steps to S3, then frees the memory."""
+        was_on = bool(((previous or {}).get("tiered_storage") or {}).get("enabled"))
+        turned_off = was_on and not self.state.tiered_storage_enabled
+        if turned_off and self.s3.target is not None and self.store.shard_count:
+            self._spawn(self._drain_then_apply_budget())
+        else:
+            self.s3.set_target(current.get("s3"))
+            self.store.set_budget(int(current.get("memory_budget_bytes") or 0))
         old = {p["node_id"] for p in ((previous or {}).get("replication") or {}).get("peers", [])}
         new = [p["node_id"] for p in (current.get("replication") or {}).get("peers", [])]
         added = [peer for peer in new if peer not in old]
@@ -606,6 +827,13 @@ class MemoryTier:
                 if info.replica_of is None:
                     self.counters.replication_pending.setdefault(info.key, time.time())
                     self._spawn(self._replicate(info, added))
+
+    async def _drain_then_apply_budget(self) -> None:
+        await self.s3.drain(timeout_s=self.drain_timeout_s, reason="tiered storage switched off")
+        # The policy in force now (a newer one may have arrived during the drain).
+        current = self.state.policy or {}
+        self.s3.set_target(current.get("s3"))
+        self.store.set_budget(int(current.get("memory_budget_bytes") or 0))
 
     async def _restore_replicas(self, peers: list[str]) -> None:
         """Send this node's own shards to the peers whose index lacks them."""

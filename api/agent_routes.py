@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -30,6 +30,20 @@ class Heartbeat(BaseModel):
     applied_generation: int = Field(ge=0)
     endpoint: str | None = None
     pid: int | None = None
+    # Typed loosely on purpose: the domain checks it and answers in the protocol's own words.
+    s3: Any = Field(
+        default=None,
+        description="The agent's S3 tier, shown as AgentStatus.S3Tier of the node: null, or "
+        '{"pending_steps": int, "lag_seconds": float, "persisted_steps_total": int, '
+        '"failures_total": int, "last_persisted": {"<namespace>": step}, "last_error": str | null}; '
+        "at most 8 KiB of JSON.",
+    )
+
+
+class AgentEvent(BaseModel):
+    node_id: str = Field(description="The reporting node; a ShuttingDown node is accepted.")
+    level: Literal["Info", "Warn", "Error"]
+    message: str = Field(min_length=1, max_length=2048, description="The event's description.")
 
 
 def bearer(request: Request) -> str | None:
@@ -66,7 +80,8 @@ async def register(cluster: str, body: Registration, request: Request, services:
 @router.post(
     "/clusters/{cluster}/nodes/{node_id}/heartbeat",
     summary="Agent heartbeat",
-    description="Records liveness and the generation the agent applied; answers the desired one.",
+    description="Records liveness, the generation the agent applied and its S3 tier's status; "
+    "answers the desired generation. 404 once the node is deleted (ShuttingDown included).",
 )
 async def heartbeat(
     cluster: str, node_id: str, body: Heartbeat, request: Request, services: ServicesDep
@@ -79,7 +94,32 @@ async def heartbeat(
         applied_generation=body.applied_generation,
         endpoint=body.endpoint,
         pid=body.pid,
+        s3_status=body.s3,
     )
+
+
+@router.post(
+    "/clusters/{cluster}/events",
+    summary="Record an event of a node",
+    description="What an agent reports for ListClusterEvents, e.g. the checkpoint steps it could not "
+    "persist to S3 while draining. Accepted while the cluster is Deleting and the node ShuttingDown. "
+    'Answers 201 {"event_id": ...}.',
+    status_code=201,
+)
+async def record_event(
+    cluster: str, body: AgentEvent, request: Request, services: ServicesDep
+) -> JSONResponse:
+    response = await _call(
+        services.agents.record_event,
+        cluster_name=cluster,
+        node_id=body.node_id,
+        token=bearer(request),
+        level=body.level,
+        message=body.message,
+    )
+    if response.status_code == 200:
+        response.status_code = 201
+    return response
 
 
 @router.get(

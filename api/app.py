@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -15,6 +15,8 @@ from api.awsjson import AwsJsonEntry
 from api.deps import Services, ServicesDep, error_response
 from api.operations import OPERATIONS
 from domain.agents import AgentConfig, AgentService
+from domain.checkpoint_policy import S3Endpoint
+from domain.checkpoints import CheckpointCatalog
 from domain.clock import Clock, Ids, SystemClock
 from domain.clusters import ClusterService, DomainConfig
 from domain.errors import AwsError, UnknownOperationException, ValidationException
@@ -30,7 +32,10 @@ def build_services(
     clock: Clock | None = None,
     ids: Ids | None = None,
     provisioner: Provisioner | None = None,
+    agent_env: Mapping[str, str] | None = None,
 ) -> Services:
+    """The domain services of one control plane. ``agent_env``: variables the local provisioner
+    adds to every agent's environment (``serve`` passes the embedded S3 endpoint's credentials)."""
     clock = clock or SystemClock()
     ids = ids or Ids()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +50,11 @@ def build_services(
             data_dir=settings.data_dir.resolve(),
             heartbeat_interval_s=provisioning.heartbeat_interval_s,
             shm_root=settings.simulation.shm_root,
+            kill_grace_s=provisioning.kill_grace_s,
+            agent_env=agent_env,
         )
+    # Read once: `serve` has put the embedded endpoint in the settings before this runs.
+    s3_endpoint = S3Endpoint(url=settings.s3.endpoint_url, region=settings.s3.region)
     reconciler = Reconciler(
         db=db,
         clock=clock,
@@ -57,6 +66,7 @@ def build_services(
             heartbeat_timeout_s=provisioning.heartbeat_timeout_s,
             launch_timeout_s=provisioning.launch_timeout_s,
             memory_scale=settings.simulation.memory_scale,
+            s3_endpoint=s3_endpoint,
             push_workers=settings.reconciler.push_workers,
             push_timeout_s=settings.reconciler.push_timeout_s,
             push_backoff_s=settings.reconciler.push_backoff_s,
@@ -70,6 +80,7 @@ def build_services(
         config=AgentConfig(
             heartbeat_interval_s=provisioning.heartbeat_interval_s,
             memory_scale=settings.simulation.memory_scale,
+            s3_endpoint=s3_endpoint,
         ),
         on_change=reconciler.wake,
     )
@@ -88,7 +99,14 @@ def build_services(
         ),
         on_change=reconciler.wake,
     )
-    return Services(settings=settings, db=db, clusters=clusters, agents=agents, reconciler=reconciler)
+    return Services(
+        settings=settings,
+        db=db,
+        clusters=clusters,
+        agents=agents,
+        reconciler=reconciler,
+        checkpoints=CheckpointCatalog(db=db),
+    )
 
 
 def create_app(
@@ -97,16 +115,20 @@ def create_app(
     clock: Clock | None = None,
     ids: Ids | None = None,
     provisioner: Provisioner | None = None,
+    agent_env: Mapping[str, str] | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        services = build_services(settings, clock=clock, ids=ids, provisioner=provisioner)
+        services = build_services(
+            settings, clock=clock, ids=ids, provisioner=provisioner, agent_env=agent_env
+        )
         app.state.services = services
         services.reconciler.start()
         try:
             yield
         finally:
             services.reconciler.stop()
+            services.checkpoints.close()
             services.db.dispose()
 
     app = FastAPI(

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 
 from domain.agents import AgentService
+from domain.checkpoints import CheckpointCatalog
 from domain.clusters import ClusterService
 from domain.errors import AwsError, InternalFailure, ServiceUnavailable
 from domain.reconciler import Reconciler
@@ -30,6 +31,7 @@ class Services:
     clusters: ClusterService
     agents: AgentService
     reconciler: Reconciler
+    checkpoints: CheckpointCatalog
 
 
 def get_services(request: Request) -> Services:

@@ -107,6 +107,20 @@ def _dns_name(node: Node, region: str) -> str:
     return f"ip-{node.private_ip.replace('.', '-')}.{domain}"
 
 
+def _s3_tier(status: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The agent's S3 tier as its last heartbeat reported it (checked by domain/agents.py)."""
+    if status is None:
+        return None
+    return {
+        "PendingSteps": status.get("pending_steps"),
+        "LagSeconds": status.get("lag_seconds"),
+        "PersistedStepsTotal": status.get("persisted_steps_total"),
+        "FailuresTotal": status.get("failures_total"),
+        "LastPersistedSteps": status.get("last_persisted"),
+        "LastError": status.get("last_error"),
+    }
+
+
 def _agent_status(node: Node) -> dict[str, Any] | None:
     """Extension member: the node's agent as the control plane last saw it."""
     if node.endpoint is None and node.last_error is None:
@@ -116,6 +130,7 @@ def _agent_status(node: Node) -> dict[str, Any] | None:
         "AppliedPolicyGeneration": node.acked_generation,
         "LastHeartbeatTime": node.last_heartbeat,
         "LastError": node.last_error,
+        "S3Tier": _s3_tier(node.s3_status),
     }
 
 

@@ -411,6 +411,56 @@ async def put_checkpoint_policy(name: str, request: Request, services: ServicesD
     return await _policy_answer(cluster, policy)
 
 
+CHECKPOINTS_EXAMPLE = {
+    "ClusterName": "demo",
+    "Namespaces": [
+        {
+            "Namespace": "llama",
+            "NumRanks": 3,
+            "StepsRetained": 3,
+            "Steps": [
+                {
+                    "Step": 200,
+                    "Memory": {
+                        "0": "i-0a1b2c3d4e5f60718",
+                        "1": "i-0f1e2d3c4b5a69788",
+                        "2": "i-0a1b2c3d4e5f60718",
+                    },
+                    "Replica": {"0": ["i-0f1e2d3c4b5a69788"], "2": ["i-0f1e2d3c4b5a69788"]},
+                    "S3": True,
+                    "Complete": True,
+                },
+                {"Step": 100, "Memory": {}, "Replica": {}, "S3": True, "Complete": True},
+            ],
+        }
+    ],
+    "Unreachable": [],
+}
+
+
+@router.get(
+    "/clusters/{name}/checkpoints",
+    summary="Where the cluster's checkpoints are held (hyperpod-sim extension)",
+    description="Every checkpoint namespace of the cluster with its steps, newest first: for each "
+    "rank, the node holding its primary copy in memory (`Memory`) and the nodes holding a replica "
+    "(`Replica`); whether the step is committed on S3 (`S3`); and whether it can be restored "
+    "(`Complete`: every rank is held in memory somewhere, or the step is on S3). The control plane "
+    "asks the agent of every Running node, in parallel with a short timeout; agents that do not "
+    "answer are left out of the view and named in `Unreachable`.",
+    tags=["checkpointing"],
+    responses={
+        200: {"content": {"application/json": {"example": CHECKPOINTS_EXAMPLE}}},
+        404: {"description": "ResourceNotFound"},
+    },
+)
+async def list_checkpoints(name: str, services: ServicesDep) -> dict[str, Any]:
+    try:
+        listing = await run_in_threadpool(lambda: services.checkpoints.list_checkpoints(name=name))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    return listing.to_wire()
+
+
 def _aws_json_entry_doc() -> dict[str, Any]:
     """OpenAPI entry for ``POST /``, which api/awsjson.py serves in front of the routes."""
     return {

@@ -411,6 +411,52 @@ EXTENSION_MEMBERS: dict[str, frozenset[str]] = {
     "ClusterNodeSummary": frozenset({"AgentStatus"}),
 }
 
+# JSON Schemas of the extension members, by member name (components of the OpenAPI document).
+_COUNT = {"type": "integer", "minimum": 0}
+EXTENSION_SCHEMAS: dict[str, dict[str, Any]] = {
+    "AgentStatus": {
+        "type": "object",
+        "description": "hyperpod-sim extension: the node's agent as the control plane last saw it. "
+        "boto3 drops members its model lacks: read it over REST or raw JSON.",
+        "properties": {
+            "Endpoint": {
+                "type": "string",
+                "description": "Where the agent serves its API and the in-memory checkpoint service.",
+            },
+            "AppliedPolicyGeneration": {**_COUNT, "description": "The policy generation it applied."},
+            "DesiredPolicyGeneration": {
+                **_COUNT,
+                "description": "The cluster's current policy generation (DescribeClusterNode only).",
+            },
+            "LastHeartbeatTime": {"type": "number", "description": "epoch seconds"},
+            "LastError": {"type": "string", "description": "Why the last policy push failed."},
+            "S3Tier": {
+                "type": "object",
+                "description": "The agent's S3 tier as its last heartbeat reported it; absent when "
+                "the node has no S3 tier (no S3BaseUri in the checkpoint policy).",
+                "properties": {
+                    "PendingSteps": {**_COUNT, "description": "Complete steps due for S3, not there yet."},
+                    "LagSeconds": {
+                        "type": "number",
+                        "minimum": 0,
+                        "description": "Age of the oldest step still waiting for S3.",
+                    },
+                    "PersistedStepsTotal": {**_COUNT, "description": "Steps persisted (since agent start)."},
+                    "FailuresTotal": {**_COUNT, "description": "Failed persists (since agent start)."},
+                    "LastPersistedSteps": {
+                        "type": "object",
+                        "additionalProperties": _COUNT,
+                        "description": "Namespace -> the last step persisted to S3.",
+                    },
+                    "LastError": {"type": "string", "description": "The last S3 error; absent when none."},
+                },
+                "additionalProperties": False,
+            },
+        },
+        "additionalProperties": False,
+    },
+}
+
 
 def _plain(value: Any) -> Any:
     """An extension member's value as JSON: datetimes as epoch seconds, None dropped."""
@@ -510,6 +556,9 @@ def _structure_component(shape: Any, components: dict[str, dict[str, Any]]) -> N
     properties: dict[str, Any] = {}
     for member_name, member in shape.members.items():
         properties[member_name] = shape_to_json_schema(member, components)
+    for member_name in sorted(EXTENSION_MEMBERS.get(name, ())):
+        components.setdefault(member_name, EXTENSION_SCHEMAS[member_name])
+        properties[member_name] = {"$ref": _ref(member_name)}
     schema: dict[str, Any] = {"type": "object", "properties": properties}
     if shape.required_members:
         schema["required"] = list(shape.required_members)

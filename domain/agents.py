@@ -1,4 +1,4 @@
-"""The control plane's side of the agent protocol: registration, heartbeats, policy pulls.
+"""The control plane's side of the agent protocol: registration, heartbeats, policy pulls, events.
 
 See docs/agent-protocol.md. Tokens are compared in constant time; a missing token is 401, a wrong
 one 403.
@@ -7,6 +7,8 @@ one 403.
 from __future__ import annotations
 
 import hmac
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,21 +17,77 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, selectinload
 
 from domain import events
-from domain.checkpoint_policy import CheckpointPolicy
+from domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
 from domain.clock import Clock, Ids
 from domain.errors import AgentProtocolError
+from domain.events import Level
 from domain.lifecycle import NodeStatus
 from domain.policy import build_policy, ring
 from models import CheckpointNamespace, Cluster, Database, Node
 
 LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
 MAX_RANKS = 1_000_000
+# The heartbeat's `s3` member is stored with the node on every heartbeat: keep it small.
+MAX_S3_STATUS_BYTES = 8 * 1024
+MAX_EVENT_MESSAGE = 2048
+# Members of the heartbeat's `s3` object, by the JSON type each must have; others are ignored
+# (a newer agent may report more than this control plane shows).
+S3_STATUS_COUNTERS = ("pending_steps", "persisted_steps_total", "failures_total")
+
+
+def _s3_problem(status: dict[str, Any]) -> str | None:
+    """What is wrong with a heartbeat's ``s3`` object, or None."""
+    for member in S3_STATUS_COUNTERS:
+        value = status.get(member)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            return f"s3.{member} must be a non-negative integer, got {value!r}"
+    lag = status.get("lag_seconds")
+    if lag is not None and (
+        isinstance(lag, bool) or not isinstance(lag, int | float) or not math.isfinite(lag) or lag < 0
+    ):
+        return f"s3.lag_seconds must be a non-negative number, got {lag!r}"
+    persisted = status.get("last_persisted")
+    if persisted is not None:
+        if not isinstance(persisted, dict):
+            return f"s3.last_persisted must be an object of namespace -> step, got {persisted!r}"
+        for namespace, step in persisted.items():
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                return f"s3.last_persisted[{namespace!r}] must be a non-negative integer, got {step!r}"
+    error = status.get("last_error")
+    if error is not None and not isinstance(error, str):
+        return f"s3.last_error must be a string or null, got {error!r}"
+    return None
+
+
+def check_s3_status(status: object) -> dict[str, Any] | None:
+    """The heartbeat's ``s3`` member as stored: None, or the object with its known members.
+
+    Refused (400) when it is not an object or null, is over MAX_S3_STATUS_BYTES as JSON, or a
+    known member has the wrong type: what is stored is shown in DescribeClusterNode as is.
+    """
+    if status is None:
+        return None
+    if not isinstance(status, dict):
+        raise AgentProtocolError(
+            400, "InvalidS3Status", f"s3 must be an object or null, got {type(status).__name__}."
+        )
+    size = len(json.dumps(status, separators=(",", ":")).encode())
+    if size > MAX_S3_STATUS_BYTES:
+        raise AgentProtocolError(
+            400, "InvalidS3Status", f"s3 is {size} bytes of JSON; at most {MAX_S3_STATUS_BYTES} are accepted."
+        )
+    problem = _s3_problem(status)
+    if problem is not None:
+        raise AgentProtocolError(400, "InvalidS3Status", problem + ".")
+    known = (*S3_STATUS_COUNTERS, "lag_seconds", "last_persisted", "last_error")
+    return {member: status[member] for member in known if member in status}
 
 
 @dataclass(frozen=True)
 class AgentConfig:
     heartbeat_interval_s: float
     memory_scale: float
+    s3_endpoint: S3Endpoint
 
 
 def check_token(presented: str | None, expected: str) -> None:
@@ -80,9 +138,38 @@ class AgentService:
             404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster.name}'."
         )
 
+    def _cluster_and_node(
+        self, session: Session, cluster_name: str, node_id: str, token: str | None
+    ) -> tuple[Cluster, Node]:
+        """One node's row and its cluster's (ShuttingDown nodes included), the token checked.
+
+        Not the cluster's whole node set: every node heartbeats every second, so this must not
+        grow with the cluster.
+        """
+        row = session.execute(
+            select(Cluster, Node)
+            .join(Node, Node.cluster_id == Cluster.id)
+            .where(Cluster.name == cluster_name, Node.id == node_id)
+        ).one_or_none()
+        if row is None:
+            cluster = self._cluster(session, cluster_name)  # 404 for the cluster, if that is it
+            check_token(token, cluster.token)
+            raise AgentProtocolError(
+                404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster_name}'."
+            )
+        cluster, node = row
+        check_token(token, cluster.token)
+        return cluster, node
+
     def policy_for(self, cluster: Cluster, node: Node) -> dict[str, Any]:
         members = [n for n in cluster.nodes if n.status in LIVE]
-        return build_policy(cluster, node, members, memory_scale=self.config.memory_scale)
+        return build_policy(
+            cluster,
+            node,
+            members,
+            memory_scale=self.config.memory_scale,
+            s3_endpoint=self.config.s3_endpoint,
+        )
 
     # ------------------------------------------------------------------ calls
 
@@ -149,25 +236,15 @@ class AgentService:
         applied_generation: int,
         endpoint: str | None,
         pid: int | None,
+        s3_status: object = None,
     ) -> dict[str, Any]:
+        """Record liveness, the applied generation and the S3 tier's status (``s3_status``: the
+        heartbeat's ``s3`` member; absent or null clears what the last heartbeat reported)."""
+        stored_s3 = check_s3_status(s3_status)
         now = self.clock.now()
         wake = False
         with self.db.write() as session:
-            # One node's row and its cluster's, not the cluster's whole node set: every node
-            # heartbeats every second, so this must not grow with the cluster.
-            row = session.execute(
-                select(Cluster, Node)
-                .join(Node, Node.cluster_id == Cluster.id)
-                .where(Cluster.name == cluster_name, Node.id == node_id)
-            ).one_or_none()
-            if row is None:
-                cluster = self._cluster(session, cluster_name)  # 404 for the cluster, if that is it
-                check_token(token, cluster.token)
-                raise AgentProtocolError(
-                    404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster_name}'."
-                )
-            cluster, node = row
-            check_token(token, cluster.token)
+            cluster, node = self._cluster_and_node(session, cluster_name, node_id, token)
             if node.status == NodeStatus.SHUTTING_DOWN:
                 raise AgentProtocolError(
                     404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster_name}'."
@@ -177,6 +254,8 @@ class AgentService:
                 node.endpoint = endpoint
             if pid:
                 node.pid = pid
+            if node.s3_status != stored_s3:
+                node.s3_status = stored_s3
             if node.acked_generation < applied_generation <= cluster.generation:
                 node.acked_generation = applied_generation
                 wake = True
@@ -197,6 +276,41 @@ class AgentService:
             self.on_change()
         return {"desired_generation": desired}
 
+    def record_event(
+        self, *, cluster_name: str, node_id: str, token: str | None, level: str, message: str
+    ) -> dict[str, Any]:
+        """An event reported by a node's agent, e.g. the steps it could not persist to S3.
+
+        Accepted from a ShuttingDown node of a Deleting cluster too: that is when an agent drains
+        its checkpoints to S3 and has the most to report. The node's row stays until its agent has
+        exited (domain/reconciler.py), so a draining agent is still known here.
+        """
+        try:
+            event_level = Level(level)
+        except ValueError:
+            allowed = ", ".join(item.value for item in Level)
+            raise AgentProtocolError(
+                400, "InvalidEvent", f"level must be one of {allowed}, got {level!r}."
+            ) from None
+        if not 1 <= len(message) <= MAX_EVENT_MESSAGE:
+            raise AgentProtocolError(
+                400,
+                "InvalidEvent",
+                f"message must have 1 to {MAX_EVENT_MESSAGE} characters, got {len(message)}.",
+            )
+        with self.db.write() as session:
+            cluster, node = self._cluster_and_node(session, cluster_name, node_id, token)
+            event = events.record(
+                session,
+                ids=self.ids,
+                now=self.clock.now(),
+                cluster=cluster,
+                node=node,
+                level=event_level,
+                description=message,
+            )
+            return {"event_id": event.id}
+
     def policy(self, *, cluster_name: str, node_id: str, token: str | None) -> dict[str, Any]:
         with self.db.read() as session:
             cluster = self._cluster(session, cluster_name)
@@ -207,7 +321,13 @@ class AgentService:
         with self.db.read() as session:
             cluster = self._cluster(session, cluster_name)
             check_token(token, cluster.token)
-            live = [n for n in cluster.nodes if n.status in LIVE]
+            # Shutting-down nodes too: their agents are draining to S3 and still answer their
+            # peers (a persist asks every agent for the ranks it holds) until they exit.
+            live = [
+                n
+                for n in cluster.nodes
+                if n.status in LIVE or (n.status == NodeStatus.SHUTTING_DOWN and n.endpoint is not None)
+            ]
             return {
                 "members": [
                     {

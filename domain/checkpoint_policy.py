@@ -31,6 +31,16 @@ MEMBERS = (
 
 
 @dataclass(frozen=True)
+class S3Endpoint:
+    """Where the agents reach S3: a deployment setting (HPSIM_S3__*), not part of a cluster's
+    policy, but handed to the agents inside it so that they need no S3 configuration of their own.
+    ``url`` None: AWS's own endpoints."""
+
+    url: str | None
+    region: str
+
+
+@dataclass(frozen=True)
 class CheckpointPolicy:
     s3_base_uri: str | None = None
     persist_every_steps: int | None = None
@@ -53,7 +63,7 @@ class CheckpointPolicy:
             "ReplicationFactor": self.replication_factor,
         }
 
-    def s3_document(self) -> dict[str, Any] | None:
+    def s3_document(self, endpoint: S3Endpoint) -> dict[str, Any] | None:
         """The ``s3`` member of a node policy: None until a base URI is set."""
         if self.s3_base_uri is None:
             return None
@@ -62,6 +72,8 @@ class CheckpointPolicy:
             "persist_every_steps": self.persist_every_steps,
             "persist_every_seconds": self.persist_every_seconds,
             "retention": self.s3_retention,
+            "endpoint_url": endpoint.url,
+            "region": endpoint.region,
         }
 
 

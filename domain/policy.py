@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from domain.checkpoint_policy import CheckpointPolicy
+from domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
 from domain.instance_types import instance_memory_bytes
 from models import Cluster, Node
 
@@ -26,7 +26,7 @@ def memory_budget_bytes(cluster: Cluster, instance_type: str, memory_scale: floa
 
 
 def build_policy(
-    cluster: Cluster, node: Node, members: Sequence[Node], *, memory_scale: float
+    cluster: Cluster, node: Node, members: Sequence[Node], *, memory_scale: float, s3_endpoint: S3Endpoint
 ) -> dict[str, Any]:
     """The document for ``node``, given the cluster's live members (the replica ring)."""
     tiered = cluster.tiered_storage or {}
@@ -55,5 +55,5 @@ def build_policy(
         "memory_budget_bytes": memory_budget_bytes(cluster, node.instance_type, memory_scale),
         "in_memory_retention": checkpoint.in_memory_retention,
         "replication": {"factor": checkpoint.replication_factor if enabled else 0, "peers": peers},
-        "s3": checkpoint.s3_document() if enabled else None,
+        "s3": checkpoint.s3_document(s3_endpoint) if enabled else None,
     }

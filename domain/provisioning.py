@@ -1,7 +1,10 @@
 """Provisioners: what brings a node's agent up and down.
 
 - ``LocalProvisioner`` (default) starts one ``hyperpod-sim agent`` process per node on this machine
-  and stops it on scale-down, node deletion and DeleteCluster.
+  and stops it on scale-down, node deletion and DeleteCluster: SIGTERM, then SIGKILL after a grace
+  period in which the agent drains the checkpoints it has not persisted to S3 yet. The node stays
+  ShuttingDown (and a deleted cluster Deleting) until the process is gone, so that the agent can
+  still call the control plane while it drains.
 - ``ExternalProvisioner`` starts nothing: agents started elsewhere register with the cluster's
   bootstrap token and are bound to pending node slots; a deleted node's agent learns it from its
   next heartbeat (404) and exits.
@@ -18,7 +21,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -37,7 +40,12 @@ class Provisioner(Protocol):
         """Start the node's agent. Called after the node's row is committed; may raise OSError."""
 
     def terminate(self, node: Node) -> None:
-        """Stop the node's agent, if this provisioner owns it."""
+        """Stop the node's agent, if this provisioner owns it. Called on every reconcile pass while
+        the node is ShuttingDown, so it must be idempotent."""
+
+    def has_stopped(self, node: Node) -> bool:
+        """Whether a ShuttingDown node's agent is gone, so that its row (and, once every node's is,
+        a deleted cluster's) can go too."""
 
     def is_running(self, node: Node) -> bool:
         """Whether the node's agent process exists (as far as this provisioner can tell)."""
@@ -58,6 +66,9 @@ class SimulatedProvisioner:
     def terminate(self, node: Node) -> None:
         return None
 
+    def has_stopped(self, node: Node) -> bool:
+        return True
+
     def is_running(self, node: Node) -> bool:
         return True
 
@@ -76,6 +87,11 @@ class ExternalProvisioner:
 
     def terminate(self, node: Node) -> None:
         return None
+
+    def has_stopped(self, node: Node) -> bool:
+        # Nothing here can see the agent: it learns of the deletion from the 404 that answers its
+        # next heartbeat, and the row goes at once.
+        return True
 
     def is_running(self, node: Node) -> bool:
         return True
@@ -113,7 +129,10 @@ class LocalProvisioner:
     data_dir: Path
     heartbeat_interval_s: float
     shm_root: Path = Path("/dev/shm/hpsim")
-    kill_grace_s: float = 5.0
+    kill_grace_s: float = 60.0
+    # Variables every agent gets on top of the control plane's environment (the credentials of
+    # the embedded S3 endpoint).
+    agent_env: Mapping[str, str] = field(default_factory=dict)
     uses_agents: bool = True
     _children: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     # pid -> when SIGTERM was sent, for the SIGKILL of agents that do not stop.
@@ -140,7 +159,7 @@ class LocalProvisioner:
             *("--heartbeat-interval", str(self.heartbeat_interval_s)),
         ]
         # The token travels in the environment, not on the command line that `ps` shows.
-        env = {**os.environ, "HPSIM_AGENT_TOKEN": cluster.token}
+        env = {**os.environ, **self.agent_env, "HPSIM_AGENT_TOKEN": cluster.token}
         with open(agent_dir / "agent.log", "ab") as logfile:
             process = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT
@@ -150,16 +169,23 @@ class LocalProvisioner:
         log.info("started agent of %s (pid %d)", node.id, process.pid)
 
     def terminate(self, node: Node) -> None:
-        """Stop the agent of a deleted node; its shared memory goes once the agent has exited."""
+        """Stop the agent of a deleted node (one SIGTERM per process, however often this is
+        called); its shared memory goes once the agent has exited."""
         pids = find_agent_pids(node.id)
         for pid in pids:
+            if pid in self._stopping:
+                continue  # told already; reap() kills it when its grace period is over
             try:
                 os.kill(pid, signal.SIGTERM)
                 os.kill(pid, signal.SIGCONT)  # a stopped (hung) agent must wake to see the TERM
             except ProcessLookupError:
                 continue
             self._stopping[pid] = time.monotonic()
-        self._wipe[node.id] = pids
+        if pids or node.id not in self._wipe:
+            self._wipe[node.id] = pids
+
+    def has_stopped(self, node: Node) -> bool:
+        return not find_agent_pids(node.id)
 
     def is_running(self, node: Node) -> bool:
         return bool(find_agent_pids(node.id))
@@ -194,6 +220,8 @@ def make_provisioner(
     data_dir: Path,
     heartbeat_interval_s: float,
     shm_root: Path,
+    kill_grace_s: float,
+    agent_env: Mapping[str, str] | None = None,
 ) -> Provisioner:
     if mode == "simulated":
         return SimulatedProvisioner()
@@ -205,4 +233,6 @@ def make_provisioner(
         data_dir=data_dir,
         heartbeat_interval_s=heartbeat_interval_s,
         shm_root=shm_root,
+        kill_grace_s=kill_grace_s,
+        agent_env=dict(agent_env or {}),
     )

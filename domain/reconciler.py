@@ -25,6 +25,7 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from domain import events
+from domain.checkpoint_policy import S3Endpoint
 from domain.clock import Clock, Ids
 from domain.events import Level
 from domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, check_transition
@@ -44,6 +45,7 @@ class ReconcilerConfig:
     heartbeat_timeout_s: float
     launch_timeout_s: float
     memory_scale: float
+    s3_endpoint: S3Endpoint
     push_workers: int
     push_timeout_s: float
     push_backoff_s: float
@@ -197,18 +199,24 @@ class Reconciler:
 
     def _step(self, session: Session, cluster: Cluster, outcome: Outcome) -> None:
         now = self.clock.now()
-        # 1. Nodes that are shutting down go away.
+        # 1. Nodes that are shutting down go away once their agent has stopped. An agent told to
+        # stop drains its unpersisted checkpoints to S3 first, calling the control plane as it
+        # does (namespaces, events): so the node's row, and a deleted cluster's, stay until then.
+        # The provisioner bounds the wait (SIGKILL after its grace period).
         for node in list(cluster.nodes):
             if node.status == NodeStatus.SHUTTING_DOWN:
                 self.provisioner.terminate(node)
+                if not self.provisioner.has_stopped(node):
+                    continue  # looked at again on the next tick
                 cluster.nodes.remove(node)
                 session.delete(node)
                 outcome.changed = True
 
         if cluster.status == ClusterStatus.DELETING:
             for node in cluster.nodes:
-                node.status = NodeStatus.SHUTTING_DOWN
-                outcome.changed = outcome.again = True
+                if node.status != NodeStatus.SHUTTING_DOWN:
+                    node.status = NodeStatus.SHUTTING_DOWN
+                    outcome.changed = outcome.again = True
             if not cluster.nodes:
                 session.execute(delete(Tag).where(Tag.resource_arn == cluster.arn))
                 session.delete(cluster)
@@ -482,7 +490,13 @@ class Reconciler:
                 outcome.note_due(node.next_push_at)
                 continue
             node.push_claimed_until = now + lease
-            policy = build_policy(cluster, node, members, memory_scale=self.config.memory_scale)
+            policy = build_policy(
+                cluster,
+                node,
+                members,
+                memory_scale=self.config.memory_scale,
+                s3_endpoint=self.config.s3_endpoint,
+            )
             outcome.pushes.append(Push(node.id, node.endpoint, cluster.token, policy))
 
     def _push_one(self, push: Push) -> PushResult:

@@ -24,13 +24,30 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings(**overrides)  # type: ignore[arg-type]
     if args.database_url is not None:
         settings.database.url = args.database_url
-    app = create_app(settings)
-    print(
-        f"hyperpod-sim control plane on http://{settings.host}:{settings.port} "
-        f"(database: {settings.database_url()})",
-        flush=True,
-    )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+    embedded = None
+    agent_env: dict[str, str] = {}
+    if settings.s3.embedded and settings.s3.endpoint_url is None:
+        from hyperpod_sim.embedded_s3 import start_embedded_s3
+
+        embedded = start_embedded_s3(settings.s3)
+        # From here on the embedded endpoint is the endpoint: policies hand it to the agents.
+        settings.s3.endpoint_url = embedded.endpoint_url
+        agent_env = embedded.agent_env()
+        print(
+            f"embedded S3 (moto, not durable) at {embedded.endpoint_url}, bucket {embedded.bucket}",
+            flush=True,
+        )
+    try:
+        app = create_app(settings, agent_env=agent_env)
+        print(
+            f"hyperpod-sim control plane on http://{settings.host}:{settings.port} "
+            f"(database: {settings.database_url()})",
+            flush=True,
+        )
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+    finally:
+        if embedded is not None:
+            embedded.stop()
     return 0
 
 
@@ -89,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the control plane",
         description="Run the control plane. Every flag can also be set by environment "
-        "(HPSIM_HOST, HPSIM_PORT, HPSIM_DATABASE__URL, HPSIM_DATA_DIR).",
+        "(HPSIM_HOST, HPSIM_PORT, HPSIM_DATABASE__URL, HPSIM_DATA_DIR). Without "
+        "HPSIM_S3__ENDPOINT_URL it also starts an embedded S3 endpoint (moto, in memory: not "
+        "durable) unless HPSIM_S3__EMBEDDED=false.",
     )
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8080)")
@@ -134,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--log-level", help="logging level (default warning)")
     agent.set_defaults(func=_agent)
+
+    from hyperpod_sim import cluster_cli  # argparse only: the SDK is imported when a command runs
+
+    cluster_cli.add_parsers(sub)
     return parser
 
 

@@ -1,6 +1,7 @@
 """Settings of the control plane, from flags and ``HPSIM_*`` environment variables.
 
-Nested groups use a double underscore: ``HPSIM_DATABASE__URL``, ``HPSIM_PROVISIONING__NODE_READY_DELAY_S``.
+Nested groups use a double underscore: ``HPSIM_DATABASE__URL``, ``HPSIM_PROVISIONING__NODE_READY_DELAY_S``,
+``HPSIM_S3__ENDPOINT_URL``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ class ProvisioningSettings(BaseModel):
         description="external mode: one bootstrap token for every cluster, so agents can be started "
         "(docker compose, a DaemonSet) before their cluster exists. Default: a random one per cluster.",
     )
+    kill_grace_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="local mode: how long a stopped agent may take to exit after SIGTERM before it is "
+        "killed. Agents drain the steps they have not yet persisted to S3 in that time; meanwhile the "
+        "node stays ShuttingDown (and a deleted cluster Deleting).",
+    )
     agent_command: list[str] = Field(
         default_factory=lambda: [sys.executable, "-m", "hyperpod_sim", "agent"],
         description="local mode: the command that starts an agent (flags are appended).",
@@ -65,6 +73,30 @@ class SimulationSettings(BaseModel):
         "on this machine: 1/1024 makes a GiB of instance memory a MiB here, so a many-node cluster "
         "of big instances fits on one small machine.",
     )
+
+
+class S3Settings(BaseModel):
+    """The S3 endpoint of the checkpoint tier: where agents persist complete steps."""
+
+    endpoint_url: str | None = Field(
+        default=None,
+        description="S3 endpoint for the agents and the control plane (MinIO, moto, any S3 API). "
+        "None: the embedded server when embedded is true, else AWS's own endpoints (the boto3 "
+        "default). Credentials come from the usual boto3 chain (AWS_ACCESS_KEY_ID, profiles, roles).",
+    )
+    embedded: bool = Field(
+        default=True,
+        description="With no endpoint_url, `hyperpod-sim serve` starts moto's S3 server on a loopback "
+        "port and creates the bucket. Not durable: moto keeps objects in memory, and they are gone "
+        "when serve stops. Reachable only from this machine (local provisioning).",
+    )
+    bucket: str = Field(
+        default="hpsim-checkpoints",
+        pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$",
+        description="The bucket the embedded server creates; a checkpoint policy names it in its "
+        "S3BaseUri (s3://hpsim-checkpoints/<prefix>).",
+    )
+    region: str = Field(default="us-east-1", description="The region S3 requests are signed for.")
 
 
 class LimitSettings(BaseModel):
@@ -98,6 +130,7 @@ class Settings(BaseSettings):
     limits: LimitSettings = LimitSettings()
     reconciler: ReconcilerSettings = ReconcilerSettings()
     simulation: SimulationSettings = SimulationSettings()
+    s3: S3Settings = S3Settings()
     public_url: str | None = Field(
         default=None,
         description="How agents reach the control plane. Default: http://{host}:{port} "

@@ -116,6 +116,9 @@ class Node(Base):
     next_push_at: Mapped[datetime | None]
     push_claimed_until: Mapped[datetime | None]
     last_error: Mapped[str | None] = mapped_column(Text)
+    # The agent's S3 tier as its last heartbeat reported it (docs/agent-protocol.md); None: no
+    # S3 tier, or an agent that does not report one.
+    s3_status: Mapped[dict[str, Any] | None]
 
     cluster: Mapped[Cluster] = relationship(back_populates="nodes")
 

@@ -5,7 +5,10 @@ unmodified: the only thing set is the default ``InMemoryClientConfig.base_url``,
 agent, which is what its writer and reader construct their client with.
 
     python -m tests.dcp_worker --rank R --world-size W --master-port P --agent-url URL
-        --namespace NS --steps 1,2,3 [--load-step N] --out result.json
+        --namespace NS --steps 1,2,3 [--load-step N] [--s3-base s3://b/p] --out result.json
+
+With ``--s3-base`` the reader is configured with that S3 base path (the library's own S3 fallback;
+the endpoint comes from ``AWS_ENDPOINT_URL``). ``--steps`` may be empty: then the job only loads.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def main() -> int:
     parser.add_argument("--namespace", required=True)
     parser.add_argument("--steps", required=True)
     parser.add_argument("--load-step", type=int)
+    parser.add_argument("--s3-base", default="")
+    parser.add_argument("--expect-step", type=int, help="the step a load of the latest should find")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -64,6 +69,9 @@ def main() -> int:
     result: dict[str, object] = {"rank": args.rank}
     try:
         config = SageMakerCheckpointConfig(namespace=args.namespace, world_size=args.world_size)
+        read_config = SageMakerCheckpointConfig(
+            namespace=args.namespace, world_size=args.world_size, s3_tier_base_path=args.s3_base
+        )
         steps = [int(s) for s in args.steps.split(",") if s]
         for step in steps:
             # Each rank saves its own tensors (distinct per rank): keys carry the rank.
@@ -72,15 +80,17 @@ def main() -> int:
             async_save(state_dict=state, storage_writer=writer).result()
             dist.barrier()
 
-        expected_step = args.load_step if args.load_step is not None else steps[-1]
+        expected_step = next(
+            s for s in (args.load_step, args.expect_step, steps and steps[-1]) if s is not None
+        )
         target = {
             f"rank{args.rank}": {k: torch.zeros_like(v) for k, v in model_state(0, 0).items()},
             "step": -1,
         }
         if args.load_step is None:
-            reader = SageMakerTieredStorageReader(checkpoint_config=config)
+            reader = SageMakerTieredStorageReader(checkpoint_config=read_config)
         else:
-            reader = SageMakerTieredStorageReader(checkpoint_config=config, step=args.load_step)
+            reader = SageMakerTieredStorageReader(checkpoint_config=read_config, step=args.load_step)
         load(target, storage_reader=reader)
         expected = model_state(expected_step, args.rank)
         result["loaded_step"] = target["step"]

@@ -123,11 +123,14 @@ def test_agents_apply_the_policy(agent_plane: ControlPlane, tmp_path: Any) -> No
         policy = httpx.get(f"{node['AgentStatus']['Endpoint']}/v1/policy").json()
         assert policy["generation"] == 2
         assert policy["in_memory_retention"] == 2
+        # The endpoint is the deployment's (HPSIM_S3__*): here no S3 endpoint, so AWS's own.
         assert policy["s3"] == {
             "base_uri": "s3://my-checkpoints/llama",
             "persist_every_steps": 100,
             "persist_every_seconds": 1800,
             "retention": 5,
+            "endpoint_url": None,
+            "region": "us-east-1",
         }
         peers = [p["node_id"] for p in policy["replication"]["peers"]]
         assert policy["replication"]["factor"] == 2

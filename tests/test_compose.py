@@ -3,10 +3,12 @@ every command it runs exists with the flags it passes, and every setting it sets
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from agents.config import AgentSettings
@@ -35,11 +37,30 @@ def argv(service: dict[str, Any]) -> list[str]:
     return list(service["command"])
 
 
+# What the agents may take from the environment besides their own settings: the boto3 chain's
+# variables, for the S3 tier's client.
+BOTO3_VARIABLES = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}
+
+
 def test_services_and_dependencies() -> None:
     services = compose()["services"]
-    assert set(services) == {"postgres", "control-plane", "agent"}
-    assert services["control-plane"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert set(services) == {"postgres", "minio", "minio-init", "control-plane", "agent"}
+    control_plane = services["control-plane"]["depends_on"]
+    assert control_plane["postgres"]["condition"] == "service_healthy"
+    # The bucket exists before the control plane hands its endpoint to any agent.
+    assert control_plane["minio-init"]["condition"] == "service_completed_successfully"
+    assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
     assert services["agent"]["depends_on"]["control-plane"]["condition"] == "service_healthy"
+
+
+def test_minio_serves_the_bucket_the_settings_name() -> None:
+    services = compose()["services"]
+    minio, init = services["minio"], services["minio-init"]
+    assert minio["command"] == ["server", "/data"]
+    assert init["environment"] == minio["environment"]  # the same root credentials
+    script = init["entrypoint"][-1]
+    assert "http://minio:9000" in script
+    assert f"mc mb --ignore-existing hpsim/{Settings().s3.bucket}" in script
 
 
 def test_commands_use_existing_flags() -> None:
@@ -65,6 +86,28 @@ def test_environment_names_existing_settings() -> None:
     assert cp_env["HPSIM_PROVISIONING__MODE"] == "external"
     agent_env = services["agent"]["environment"]
     for key in agent_env:
-        assert key.removeprefix("HPSIM_AGENT_").lower() in AgentSettings.model_fields, key
+        if key.startswith("HPSIM_AGENT_"):
+            assert key.removeprefix("HPSIM_AGENT_").lower() in AgentSettings.model_fields, key
+        else:
+            assert key in BOTO3_VARIABLES, f"{key}: neither an agent setting nor a boto3 variable"
     # The agents' bootstrap token is the one the control plane accepts.
     assert agent_env["HPSIM_AGENT_TOKEN"] == cp_env["HPSIM_PROVISIONING__BOOTSTRAP_TOKEN"]
+    # The agents sign their S3 requests with MinIO's credentials, for the region policies name.
+    minio_env = services["minio"]["environment"]
+    assert agent_env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"]
+    assert agent_env["AWS_SECRET_ACCESS_KEY"] == minio_env["MINIO_ROOT_PASSWORD"]
+    assert agent_env["AWS_DEFAULT_REGION"] == settings.s3.region
+
+
+def test_control_plane_environment_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The values, not only the names: the control plane starts with this environment, and uses
+    MinIO instead of starting its embedded S3 endpoint."""
+    for key in list(os.environ):
+        if key.startswith("HPSIM_"):
+            monkeypatch.delenv(key)
+    for key, value in compose()["services"]["control-plane"]["environment"].items():
+        monkeypatch.setenv(key, str(value))
+    settings = Settings()
+    assert settings.s3.endpoint_url == "http://minio:9000"
+    assert settings.s3.embedded is False
+    assert settings.provisioning.mode == "external"

@@ -47,7 +47,15 @@ def agents(sm: Any, plane: ControlPlane, name: str, count: int) -> list[str]:
 
 
 def run_job(
-    tmp_path: Path, urls: list[str], world_size: int, namespace: str, steps: str, load_step: int | None = None
+    tmp_path: Path,
+    urls: list[str],
+    world_size: int,
+    namespace: str,
+    steps: str,
+    load_step: int | None = None,
+    *,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """One training job: world_size rank processes, rank r talking to urls[r % len(urls)]."""
     port = free_port()
@@ -61,8 +69,11 @@ def run_job(
         ]  # fmt: skip
         if load_step is not None:
             argv += ["--load-step", str(load_step)]
+        argv += extra
         log = open(tmp_path / f"{namespace}-{rank}.log", "wb")  # noqa: SIM115
-        processes.append((subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
+        processes.append(
+            (subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+        )
     try:
         for process, log in processes:
             process.wait(timeout=180)

@@ -12,7 +12,7 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, select, text
 
-from models import Base, Cluster, Database
+from models import Base, Cluster, Database, Node
 from models.db import alembic_config
 
 TABLES = {"checkpoint_namespaces", "cluster_events", "clusters", "instance_groups", "nodes", "tags"}
@@ -136,3 +136,49 @@ def test_downgrade_to_base_then_upgrade(db: Database, database_url: str) -> None
     assert cluster_names(db) == []
     add_cluster(db, "again")
     assert cluster_names(db) == ["again"]
+
+
+def add_node(db: Database, cluster_id: str, node_id: str, s3_status: dict[str, object] | None) -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    with db.write() as session:
+        session.add(
+            Node(
+                id=node_id,
+                cluster_id=cluster_id,
+                group_name="workers",
+                logical_id=f"workers-{node_id}",
+                instance_type="ml.p5.48xlarge",
+                status="Running",
+                launch_time=now,
+                ready_at=now,
+                private_ip="10.0.0.1",
+                s3_status=s3_status,
+            )
+        )
+
+
+def test_0006_node_s3_status(db: Database, database_url: str) -> None:
+    """0006 adds the nullable JSON column nodes.s3_status; its downgrade drops only that column."""
+    db.migrate()
+    add_cluster(db, "s3status")
+    status = {"pending_steps": 1, "lag_seconds": 0.5, "last_persisted": {"job": 300}, "last_error": None}
+    add_node(db, "s3status", "i-0123456789abcdef0", status)
+    with db.read() as session:
+        node = session.get(Node, "i-0123456789abcdef0")
+        assert node is not None
+        assert node.s3_status == status
+    column = next(c for c in inspect(db.engine).get_columns("nodes") if c["name"] == "s3_status")
+    assert column["nullable"]
+
+    config = alembic_config(database_url)
+    command.downgrade(config, "0005")
+    assert "s3_status" not in {c["name"] for c in inspect(db.engine).get_columns("nodes")}
+    with db.engine.connect() as conn:
+        assert conn.execute(text("SELECT id FROM nodes")).scalars().all() == ["i-0123456789abcdef0"]
+
+    command.upgrade(config, "head")
+    assert schema_diff(db) == []
+    with db.read() as session:
+        node = session.get(Node, "i-0123456789abcdef0")
+        assert node is not None
+        assert node.s3_status is None
