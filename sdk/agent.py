@@ -1,0 +1,317 @@
+"""A trainer's client of its node's agent: the in-memory tier's HTTP protocol and the same-host
+fast path (docs/sdk.md).
+
+Fast path: the agent reserves room for a shard as a file in its shared memory and answers the
+file's path; the trainer maps it, copies its tensors straight in and asks the agent to commit
+(the agent hashes and publishes it). The agent reuses the file of a retired step for the next
+save of the same rank and names it by a buffer id, so the trainer keeps its mapping per buffer id
+and, once the rotation has gone round, writes into pages that are already mapped. Reads map the
+agent's copy read-only and verify its checksum. When the agent's files cannot be opened (another
+host, another container), everything goes over HTTP.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import xxhash
+
+log = logging.getLogger(__name__)
+
+# Mappings kept per client: the rotation of one rank is in-memory retention + 1 files; several
+# namespaces or ranks per process need a few more.
+MAX_MAPPINGS = 16
+
+
+class AgentError(Exception):
+    """The agent refused a call, or could not be reached."""
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def checksum(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
+    """base64 of the xxh3_128 digest (the protocol's ``Shard-Meta`` checksum)."""
+    return base64.b64encode(xxhash.xxh3_128_digest(data)).decode("ascii")
+
+
+def discover_agent_url(environ: dict[str, str] | None = None) -> str:
+    """This node's agent, from the environment: ``HPSIM_AGENT_URL``, or the node's
+    ``AgentStatus.Endpoint`` from the control plane (``HPSIM_CONTROL_PLANE_URL``,
+    ``HPSIM_CLUSTER`` and ``HPSIM_NODE_ID``)."""
+    env = os.environ if environ is None else environ
+    if env.get("HPSIM_AGENT_URL"):
+        return env["HPSIM_AGENT_URL"].rstrip("/")
+    control_plane, cluster, node = (
+        env.get(k) for k in ("HPSIM_CONTROL_PLANE_URL", "HPSIM_CLUSTER", "HPSIM_NODE_ID")
+    )
+    if not (control_plane and cluster and node):
+        raise AgentError(
+            "no agent to checkpoint to: set HPSIM_AGENT_URL, or HPSIM_CONTROL_PLANE_URL, HPSIM_CLUSTER "
+            "and HPSIM_NODE_ID, or pass agent_url"
+        )
+    url = f"{control_plane.rstrip('/')}/clusters/{quote(cluster, safe='')}/nodes/{quote(node, safe='')}"
+    response = httpx.get(url, timeout=10.0, trust_env=False)
+    if response.status_code != 200:
+        raise AgentError(f"cannot describe node {node} of {cluster}: {response.text[:300]}")
+    endpoint = (response.json()["NodeDetails"].get("AgentStatus") or {}).get("Endpoint")
+    if not endpoint:
+        raise AgentError(f"node {node} of {cluster} has no agent endpoint yet")
+    return str(endpoint).rstrip("/")
+
+
+@dataclass
+class _Mapping:
+    mapping: mmap.mmap
+    size: int
+    pinned: bool = False  # registered with CUDA as page-locked host memory
+
+
+@dataclass
+class FastWrite:
+    """An open same-host write: fill ``view`` (the mapped file), then ``AgentClient.commit``."""
+
+    token: str
+    size: int
+    buffer_id: str
+    view: memoryview
+    pin_for_cuda: Callable[[], None]
+
+
+class AgentClient:
+    def __init__(self, base_url: str, *, fast_path: bool = True, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.fast_path = fast_path
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=httpx.Timeout(10.0, read=timeout_s), trust_env=False
+        )
+        self._mappings: OrderedDict[str, _Mapping] = OrderedDict()
+        self._namespaces: dict[str, dict[str, Any]] = {}  # known to exist (a save per step asks once)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            for entry in self._mappings.values():
+                _unmap(entry)
+            self._mappings.clear()
+        self._http.close()
+
+    # ------------------------------------------------------------------ protocol
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise AgentError(f"the agent at {self.base_url} did not answer {method} {path}: {exc}") from exc
+
+    @staticmethod
+    def _fail(response: httpx.Response, what: str) -> AgentError:
+        try:
+            doc = response.json()
+            code, message = doc.get("error"), doc.get("message")
+        except ValueError:
+            code, message = None, response.text[:300]
+        return AgentError(
+            f"{what}: {response.status_code} {code}: {message}", status=response.status_code, code=code
+        )
+
+    def ensure_namespace(self, namespace: str, *, num_ranks: int, steps_retained: int) -> dict[str, Any]:
+        """The namespace, created if it does not exist; AgentError if it exists with another rank count."""
+        known = self._namespaces.get(namespace)
+        if known is not None and int(known["num_ranks"]) == num_ranks:
+            return known
+        path = f"/v1/cp/namespaces/{quote(namespace, safe='')}"
+        response = self._call("GET", path)
+        if response.status_code == 404:
+            response = self._call(
+                "POST", path, params={"num_ranks": num_ranks, "steps_retained": steps_retained}
+            )
+            if response.status_code == 409:
+                response = self._call("GET", path)
+        if response.status_code not in (200, 201):
+            raise self._fail(response, f"namespace {namespace!r}")
+        doc: dict[str, Any] = response.json()
+        self._namespaces[namespace] = doc
+        if int(doc["num_ranks"]) != num_ranks:
+            raise AgentError(
+                f"namespace {namespace!r} has {doc['num_ranks']} ranks (world size + 1 for the metadata), "
+                f"not {num_ranks}: use another namespace for another world size"
+            )
+        return doc
+
+    def latest(self, namespace: str, *, limit: int = 5) -> list[int]:
+        response = self._call(
+            "GET", f"/v1/cp/checkpoints/{quote(namespace, safe='')}/latest", params={"limit": limit}
+        )
+        if response.status_code == 404:
+            return []
+        if response.status_code != 200:
+            raise self._fail(response, "latest")
+        return [int(s) for s in response.json()]
+
+    def put(self, namespace: str, rank: int, step: int, data: bytes | bytearray | memoryview) -> None:
+        meta = json.dumps({"checksum": checksum(data), "algorithm": "xxh3_128"})
+        response = self._call(
+            "POST", f"/v1/cp/checkpoints/{quote(namespace, safe='')}/{rank}/{step}", content=bytes(data),
+            headers={"Shard-Meta": meta},
+        )  # fmt: skip
+        if response.status_code != 200:
+            raise self._fail(response, f"save of rank {rank} step {step}")
+
+    def get(self, namespace: str, rank: int, step: int) -> tuple[bytes, str] | None:
+        """The shard's bytes (verified by the agent, checked again here) and the tier that served
+        them (memory, replica, peer, s3); None if no good copy exists anywhere."""
+        response = self._call("GET", f"/v1/cp/checkpoints/{quote(namespace, safe='')}/{rank}/{step}")
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise self._fail(response, f"read of rank {rank} step {step}")
+        expected = json.loads(response.headers["shard-meta"])["checksum"]
+        if checksum(response.content) != expected:
+            raise AgentError(f"rank {rank} step {step} arrived corrupted (checksum mismatch)")
+        return response.content, response.headers.get("x-hpsim-tier", "memory")
+
+    # ------------------------------------------------------------------ fast path
+
+    def reserve(self, namespace: str, rank: int, step: int, size: int) -> FastWrite | None:
+        """An open same-host write of ``size`` bytes, or None when the fast path is off or the
+        agent's memory is not reachable from this process (then use ``put``)."""
+        if not self.fast_path:
+            return None
+        response = self._call(
+            "POST", f"/v1/fast/reserve/{quote(namespace, safe='')}/{rank}/{step}", params={"size": size}
+        )
+        if response.status_code != 200:
+            raise self._fail(response, f"reservation for rank {rank} step {step}")
+        doc = response.json()
+        try:
+            entry = self._writable(doc["buffer_id"], doc["path"], size)
+        except OSError as exc:
+            log.info("the agent's shared memory is not reachable from here (%s); saving over HTTP", exc)
+            self.fast_path = False
+            self.abort(doc["token"])
+            return None
+        view = memoryview(entry.mapping)[:size] if size else memoryview(bytearray())
+        return FastWrite(doc["token"], size, doc["buffer_id"], view, lambda: _pin_for_cuda(entry))
+
+    def _writable(self, buffer_id: str, path: str, size: int) -> _Mapping:
+        """The cached mapping of a buffer, or a new one (the file is exactly ``size`` bytes now)."""
+        with self._lock:
+            entry = self._mappings.get(buffer_id)
+            if entry is not None and entry.size == size:
+                self._mappings.move_to_end(buffer_id)
+                return entry
+            if entry is not None:
+                _unmap(self._mappings.pop(buffer_id))
+            fd = os.open(path, os.O_RDWR)
+            try:
+                populate = getattr(mmap, "MAP_POPULATE", 0)
+                mapping = (
+                    mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | populate)
+                    if size
+                    else mmap.mmap(-1, 1)
+                )
+            finally:
+                os.close(fd)
+            entry = _Mapping(mapping, size)
+            self._mappings[buffer_id] = entry
+            while len(self._mappings) > MAX_MAPPINGS:
+                _unmap(self._mappings.popitem(last=False)[1])
+            return entry
+
+    def commit(self, write: FastWrite, *, size: int | None = None) -> dict[str, Any]:
+        """Make the first ``size`` bytes written (default: all) the shard; the agent hashes them."""
+        with contextlib.suppress(BufferError):  # staged tensors may still view it: harmless
+            write.view.release()
+        response = self._call(
+            "POST", f"/v1/fast/commit/{write.token}", params={"size": write.size if size is None else size}
+        )
+        if response.status_code != 200:
+            raise self._fail(response, "commit")
+        result: dict[str, Any] = response.json()
+        return result
+
+    def abort(self, token: str) -> None:
+        with contextlib.suppress(AgentError):  # else the agent gives it back at its deadline
+            self._call("POST", f"/v1/fast/abort/{token}")
+
+    def read_local(self, namespace: str, rank: int, step: int) -> tuple[mmap.mmap, str, str] | None:
+        """This node's copy of a shard, mapped read-only, with its tier and its checksum; None if
+        this node holds none or it is not reachable from here (then read over HTTP).
+
+        The caller verifies the checksum after copying out of the mapping: the agent may retire
+        the file for a later save meanwhile, and a check after the copy catches that too."""
+        if not self.fast_path:
+            return None
+        response = self._call("GET", f"/v1/fast/shards/{quote(namespace, safe='')}/{rank}/{step}")
+        if response.status_code != 200:
+            return None
+        doc = response.json()
+        try:
+            fd = os.open(doc["path"], os.O_RDONLY)
+        except OSError:
+            return None  # retired meanwhile, or another host's path
+        try:
+            if os.fstat(fd).st_size != doc["size"] or not doc["size"]:
+                return None
+            mapping = mmap.mmap(fd, doc["size"], access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        return mapping, str(doc.get("tier", "memory")), str(doc["checksum"])
+
+
+def _unmap(entry: _Mapping) -> None:
+    if entry.pinned:
+        _unpin(entry)
+    with contextlib.suppress(BufferError):  # a view is still out: unmapped when it is released
+        entry.mapping.close()
+
+
+def _address(mapping: mmap.mmap) -> int:
+    import ctypes
+
+    holder = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(holder)
+    finally:
+        del holder
+
+
+def _pin_for_cuda(entry: _Mapping) -> None:
+    """Register the mapping as page-locked memory once, so device-to-host copies into it run at
+    full DMA speed (torch copies into unregistered memory through a staging buffer)."""
+    if entry.pinned or not entry.size:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    result = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+        _address(entry.mapping), entry.size, 0
+    )
+    entry.pinned = int(result) == 0 if not isinstance(result, tuple) else int(result[0]) == 0
+    if not entry.pinned:
+        log.info(
+            "cudaHostRegister of a %d-byte buffer failed (%s); copies will be slower", entry.size, result
+        )
+
+
+def _unpin(entry: _Mapping) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(_address(entry.mapping))  # type: ignore[no-untyped-call]
+    entry.pinned = False
