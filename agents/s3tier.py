@@ -29,6 +29,8 @@ import contextlib
 import functools
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -96,7 +98,9 @@ class S3Tier:
         self.target: S3Target | None = None
         self._endpoint_override = endpoint_override
         self._objects: dict[tuple[str | None, str], S3Objects] = {}
-        self._executor = ThreadPoolExecutor(max_workers=upload_workers + 4, thread_name_prefix="s3")
+        self._executor = ThreadPoolExecutor(
+            max_workers=upload_workers + 4, thread_name_prefix="s3", initializer=_lower_priority
+        )
         self._uploads: dict[tuple[str, ShardKey], asyncio.Future[ShardObject]] = {}
         # Shards this agent put on S3: (base uri, key) -> the object, reused while the checksum holds.
         self._uploaded: dict[tuple[str, ShardKey], ShardObject] = {}
@@ -509,3 +513,14 @@ class S3Tier:
     @staticmethod
     def _left(deadline: float) -> float:
         return max(deadline - time.monotonic(), 0.001)
+
+
+# How much lower than the agent's event loop (nice 0) S3 work runs. Linux gives each thread its own
+# nice value and a thread inherits its creator's, so s3transfer's part threads, started from these
+# workers, run niced too: a save the event loop receives gets the CPU first while uploads run.
+UPLOAD_NICE = 10
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UPLOAD_NICE)
