@@ -414,8 +414,11 @@ class Reservation:
         """Size the new file, allocate its memory now (ENOSPC here, not SIGBUS later), map it."""
         try:
             if self._size > 0:
-                if os.fstat(fd).st_size < self._size:  # a reused spare of this size is allocated already
-                    _preallocate(fd, self._size)
+                # A reused spare is allocated up to its size already: allocate only what is new
+                # (fallocate walks every page of its range, even pages it need not allocate).
+                current = os.fstat(fd).st_size
+                if current < self._size:
+                    _preallocate(fd, self._size, start=current)
                 os.ftruncate(fd, self._size)
                 self._mapping = mmap.mmap(fd, self._size)
             self._inode = os.fstat(fd).st_ino
@@ -439,9 +442,9 @@ class Reservation:
             raise RuntimeError(f"the reservation for {self._key} is already {self._state}")
 
 
-def _preallocate(fd: int, size: int) -> None:
+def _preallocate(fd: int, size: int, *, start: int = 0) -> None:
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, start, size - start)
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise

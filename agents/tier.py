@@ -153,6 +153,7 @@ class MemoryTier:
         self._tasks: set[asyncio.Task[None]] = set()
         self.s3 = S3Tier(self, endpoint_override=s3_endpoint_override)
         self._fast: dict[str, _FastWrite] = {}  # token -> an open same-host write
+        self._leases: dict[str, tuple[Callable[[], None], float]] = {}  # lease -> (unpin, deadline)
         self.fast_timeout_s = fast_timeout_s
         self.drain_timeout_s = drain_timeout_s
         state.listeners.append(self._on_policy)
@@ -222,6 +223,8 @@ class MemoryTier:
                 return lambda r: self.fast_abort(token)
             case "GET", ["fast", "shards", name, rank, step]:
                 return lambda r: self.fast_locate(name, rank, step)
+            case "POST", ["fast", "release", lease]:
+                return lambda r: self.fast_release(lease)
         return None
 
     def _internal_route(
@@ -492,7 +495,7 @@ class MemoryTier:
         reservation = await asyncio.to_thread(self._reserve, key, size, protect)
         token = uuid.uuid4().hex
         self._fast[token] = _FastWrite(reservation, namespace, time.monotonic() + self.fast_timeout_s)
-        if len(self._fast) == 1:
+        if len(self._fast) + len(self._leases) == 1:
             self._spawn(self._expire_fast_writes())
         return json_response(
             200,
@@ -538,6 +541,12 @@ class MemoryTier:
         if found is None:
             raise TierError(404, "ShardNotHere", "this node holds no copy; read it through /v1/cp")
         info, buffer_id = found
+        # The file is not reused for a later save (truncated, rewritten) while the reader holds
+        # this lease: until it releases it, or for fast_timeout_s.
+        lease = uuid.uuid4().hex
+        self._leases[lease] = (self.store.pin(key), time.monotonic() + self.fast_timeout_s)
+        if len(self._fast) + len(self._leases) == 1:
+            self._spawn(self._expire_fast_writes())
         return json_response(
             200,
             {
@@ -546,13 +555,25 @@ class MemoryTier:
                 "checksum": info.checksum,
                 "buffer_id": buffer_id,
                 "tier": tier_of(info),
+                "lease": lease,
             },
         )
 
+    async def fast_release(self, lease: str) -> Response:
+        held = self._leases.pop(lease, None)
+        if held is not None:
+            held[0]()
+        return json_response(200, {"released": held is not None})
+
     async def _expire_fast_writes(self) -> None:
-        while self._fast:
+        """Give back reservations never committed and leases never released (their trainer died)."""
+        while self._fast or self._leases:
             await asyncio.sleep(1.0)
             now = time.monotonic()
+            for lease, (unpin, deadline) in list(self._leases.items()):
+                if deadline < now:
+                    del self._leases[lease]
+                    unpin()
             for token, write in list(self._fast.items()):
                 if write.deadline < now:
                     del self._fast[token]

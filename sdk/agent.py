@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import logging
 import mmap
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 # Mappings kept per client: the rotation of one rank is in-memory retention + 1 files; several
 # namespaces or ranks per process need a few more.
 MAX_MAPPINGS = 16
+CHUNK = 1 << 20  # request bodies go out in pieces of this size
 
 
 class AgentError(Exception):
@@ -100,6 +102,7 @@ class AgentClient:
             base_url=self.base_url, timeout=httpx.Timeout(10.0, read=timeout_s), trust_env=False
         )
         self._mappings: OrderedDict[str, _Mapping] = OrderedDict()
+        self._read_maps: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._namespaces: dict[str, dict[str, Any]] = {}  # known to exist (a save per step asks once)
         self._lock = threading.Lock()
 
@@ -108,6 +111,10 @@ class AgentClient:
             for entry in self._mappings.values():
                 _unmap(entry)
             self._mappings.clear()
+            for mapping in self._read_maps.values():
+                with contextlib.suppress(BufferError):
+                    mapping.close()
+            self._read_maps.clear()
         self._http.close()
 
     # ------------------------------------------------------------------ protocol
@@ -165,9 +172,13 @@ class AgentClient:
 
     def put(self, namespace: str, rank: int, step: int, data: bytes | bytearray | memoryview) -> None:
         meta = json.dumps({"checksum": checksum(data), "algorithm": "xxh3_128"})
+        view = memoryview(data).cast("B")
+        # In 1 MiB pieces: httpcore sends a bytes body by slicing off what each send took, which
+        # copies the rest every time (a 1 GiB body took minutes); the length is known up front.
+        pieces = (bytes(view[i : i + CHUNK]) for i in range(0, len(view), CHUNK))
         response = self._call(
-            "POST", f"/v1/cp/checkpoints/{quote(namespace, safe='')}/{rank}/{step}", content=bytes(data),
-            headers={"Shard-Meta": meta},
+            "POST", f"/v1/cp/checkpoints/{quote(namespace, safe='')}/{rank}/{step}", content=pieces,
+            headers={"Shard-Meta": meta, "Content-Length": str(len(view))},
         )  # fmt: skip
         if response.status_code != 200:
             raise self._fail(response, f"save of rank {rank} step {step}")
@@ -249,29 +260,68 @@ class AgentClient:
         with contextlib.suppress(AgentError):  # else the agent gives it back at its deadline
             self._call("POST", f"/v1/fast/abort/{token}")
 
-    def read_local(self, namespace: str, rank: int, step: int) -> tuple[mmap.mmap, str, str] | None:
-        """This node's copy of a shard, mapped read-only, with its tier and its checksum; None if
-        this node holds none or it is not reachable from here (then read over HTTP).
+    def read_local(self, namespace: str, rank: int, step: int) -> LocalCopy | None:
+        """This node's copy of a shard, mapped read-only, with its tier and checksum; None if this
+        node holds none or it is not reachable from here (then read over HTTP).
 
-        The caller verifies the checksum after copying out of the mapping: the agent may retire
-        the file for a later save meanwhile, and a check after the copy catches that too."""
+        The agent keeps the file from being reused while the copy is held (a lease); call
+        ``LocalCopy.release()`` when done. The caller checks the checksum itself. Mappings are
+        kept per buffer, so reading the same buffer again (the next restore, a benchmark) does
+        not map and fault it in again."""
         if not self.fast_path:
             return None
         response = self._call("GET", f"/v1/fast/shards/{quote(namespace, safe='')}/{rank}/{step}")
         if response.status_code != 200:
             return None
         doc = response.json()
+        release = functools.partial(self._release, doc["lease"])
         try:
-            fd = os.open(doc["path"], os.O_RDONLY)
+            mapping = self._readable(doc["buffer_id"], doc["path"], int(doc["size"]))
         except OSError:
-            return None  # retired meanwhile, or another host's path
-        try:
-            if os.fstat(fd).st_size != doc["size"] or not doc["size"]:
-                return None
-            mapping = mmap.mmap(fd, doc["size"], access=mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
-        return mapping, str(doc.get("tier", "memory")), str(doc["checksum"])
+            release()
+            return None  # another host's path
+        if mapping is None:
+            release()
+            return None
+        return LocalCopy(
+            memoryview(mapping)[: doc["size"]], str(doc.get("tier", "memory")), str(doc["checksum"]), release
+        )
+
+    def _readable(self, buffer_id: str, path: str, size: int) -> mmap.mmap | None:
+        with self._lock:
+            cached = self._read_maps.get(buffer_id)
+            if cached is not None and len(cached) == size:
+                self._read_maps.move_to_end(buffer_id)
+                return cached
+            if cached is not None:
+                with contextlib.suppress(BufferError):
+                    self._read_maps.pop(buffer_id).close()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if os.fstat(fd).st_size != size or not size:
+                    return None
+                mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
+            self._read_maps[buffer_id] = mapping
+            while len(self._read_maps) > MAX_MAPPINGS:
+                with contextlib.suppress(BufferError):
+                    self._read_maps.popitem(last=False)[1].close()
+            return mapping
+
+    def _release(self, lease: str) -> None:
+        with contextlib.suppress(AgentError):  # else the lease runs out at the agent
+            self._call("POST", f"/v1/fast/release/{lease}")
+
+
+@dataclass
+class LocalCopy:
+    """A shard in this node's shared memory, mapped: valid until ``release()``."""
+
+    view: memoryview
+    tier: str
+    checksum: str
+    release: Callable[[], None]
 
 
 def _unmap(entry: _Mapping) -> None:

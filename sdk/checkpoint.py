@@ -485,15 +485,15 @@ class TieredStorageReader(StorageReader):
         for rank, items in sorted(by_rank.items()):
             local = self._client.read_local(self.config.namespace, rank, self.step)
             if local is not None:
-                mapping, tier, expected = local
                 try:
-                    self._apply(items, mapping, planner)
-                    good = checksum(mapping) == expected  # after the copy: see read_local
+                    self._apply(items, local.view, planner)
+                    good = checksum(local.view) == local.checksum
                 finally:
-                    with contextlib.suppress(BufferError):
-                        mapping.close()
+                    with contextlib.suppress(BufferError):  # a view of it still alive: harmless
+                        local.view.release()
+                    local.release()
                 if good:
-                    self._served(rank, tier)
+                    self._served(rank, local.tier)
                     continue
                 log.warning(
                     "this node's copy of rank %d step %d failed its checksum; reading it again",
@@ -542,13 +542,14 @@ class TieredStorageReader(StorageReader):
         if local:
             found = self._client.read_local(self.config.namespace, rank, step)
             if found is not None:
-                mapping, tier, expected = found
                 try:
-                    data = bytes(mapping)
+                    data = bytes(found.view)
                 finally:
-                    mapping.close()
-                if checksum(data) == expected:
-                    return data, tier
+                    with contextlib.suppress(BufferError):
+                        found.view.release()
+                    found.release()
+                if checksum(data) == found.checksum:
+                    return data, found.tier
         remote = self._client.get(self.config.namespace, rank, step)
         if remote is not None:
             return remote
