@@ -13,7 +13,8 @@ What is here is what the scripts did alike, one copy each:
 * AWS JSON 1.1 over raw HTTP: a boto3 SageMaker client for setup, a ``before-send`` hook that
   records the exact request botocore puts on the wire, and a lean keep-alive ``http.client``
   connection that replays it;
-* reports: formatting, the table header and rule, the notes, the JSON file.
+* reports: formatting, the table header and rule, the notes, the JSON file and its
+  ``target_ratios`` entries.
 
 Nothing here measures anything by itself; what a script measures, prints and writes stays in it.
 Linux only where ``/proc`` is read (the readers say what they return elsewhere).
@@ -464,3 +465,13 @@ def with_notes(lines: Iterable[str], notes: Iterable[str]) -> str:
 def write_json(path: Path, payload: Any) -> None:
     """``payload`` as indented JSON, with a final newline."""
     path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def ratio_vs_target(name: str, value: float | None, target: str, met: bool) -> dict[str, Any]:
+    """One entry of the ``target_ratios`` member that every script's JSON has, beside its own
+    members (``bench/run_all.py`` builds its table from them): what is compared, the measured ratio
+    (rounded; None when it could not be computed), the target as the script prints it
+    (``">= 2x"``) and whether the ratio meets it. Ratios without a target stay out of it."""
+    if value is not None and not math.isfinite(value):
+        value = None
+    return {"name": name, "value": None if value is None else round(value, 3), "target": target, "met": met}

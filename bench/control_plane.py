@@ -72,6 +72,7 @@ from bench.common import (
     int_list_option,
     poll,
     progress,
+    ratio_vs_target,
     sagemaker_client,
     spawn,
     start_hpsim,
@@ -542,10 +543,16 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print(render(rows, ratios, notes))
         if args.json:
+            target_key = f"{TARGET_CELL[0]}@{TARGET_CELL[1]}"
+            what = f"{TARGET_CELL[0]} req/s, {TARGET_CELL[1]} clients, {HPSIM} / {MOTO}"
             payload = {
                 "rows": [asdict(r) for r in rows],
                 "ratios": ratios,
-                "target": {"cell": f"{TARGET_CELL[0]}@{TARGET_CELL[1]}", "min_ratio": TARGET_RATIO},
+                # Empty when --operations or --clients left the target's cell out.
+                "target_ratios": [ratio_vs_target(what, target_ratio, f">= {TARGET_RATIO:.1f}x", target_met)]
+                if target_key in ratios
+                else [],
+                "target": {"cell": target_key, "min_ratio": TARGET_RATIO},
                 "target_met": target_met,
                 "config": {
                     "duration_s": args.duration,

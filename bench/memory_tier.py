@@ -91,6 +91,7 @@ from bench.common import (
     memory_status,
     poll,
     progress,
+    ratio_vs_target,
     recv_exactly,
     sagemaker_client,
     spawn,
@@ -1088,9 +1089,35 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print(render(rows, ratios, ceiling, replication, memory, notes))
         if args.json:
+            target_ratios: list[dict[str, Any]] = []
+            for q in ratios:
+                target_ratios += [
+                    ratio_vs_target(
+                        f"save speed {q.size_mib} MiB (library's put_checkpoint), {OURS} / {REFERENCE}",
+                        q.save,
+                        f">= {TARGET_SAVE:g}x",
+                        q.save_met,
+                    ),
+                    ratio_vs_target(
+                        f"load speed {q.size_mib} MiB (library's get_checkpoint), {OURS} / {REFERENCE}",
+                        q.load,
+                        f">= {TARGET_LOAD:g}x",
+                        q.load_met,
+                    ),
+                ]
+            for m in memory:
+                target_ratios.append(
+                    ratio_vs_target(
+                        f"agent RSS growth / bytes held, {m.size_mib} MiB shards",
+                        m.rss_growth_over_held,
+                        f"<= {TARGET_RSS_FACTOR:g}x",
+                        m.target_met,
+                    )
+                )
             payload = {
                 "rows": [asdict(r) for r in rows],
                 "ratios": [asdict(q) for q in ratios],
+                "target_ratios": target_ratios,
                 "targets": {"save": TARGET_SAVE, "load": TARGET_LOAD, "rss_factor": TARGET_RSS_FACTOR},
                 "targets_met": {
                     "save": all(q.save_met for q in ratios),

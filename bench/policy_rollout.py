@@ -67,6 +67,7 @@ from bench.common import (
     kill_leftover_agents,
     poll,
     progress,
+    ratio_vs_target,
     rss_bytes,
     sagemaker_client,
     start_hpsim,
@@ -497,9 +498,16 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print(render(rows, base.nodes, target_line, notes))
         if args.json:
+            what = f"UpdateCluster -> all nodes acknowledged, {large}-node / {small}-node cluster"
             payload = {
                 "rows": [asdict(r) for r in rows],
                 "base_nodes": base.nodes,
+                # Empty when --sizes left out either size of the target.
+                "target_ratios": [
+                    ratio_vs_target(what, target_ratio, f"< {TARGET_MAX_RATIO:g}x", bool(target_met))
+                ]
+                if target_ratio is not None
+                else [],
                 "target": {"sizes": list(TARGET_SIZES), "max_ratio": TARGET_MAX_RATIO},
                 "ratio": target_ratio,
                 "target_met": target_met,

@@ -98,6 +98,7 @@ from bench.common import (
     kill_leftover_agents,
     poll,
     progress,
+    ratio_vs_target,
     sagemaker_client,
     spawn,
     start_hpsim,
@@ -920,9 +921,28 @@ def main(argv: list[str] | None = None) -> int:
         print(render(rows, ratios, latency, notes))
         if args.json:
             p50 = latency_ratio(latency, ON, "p50_s")
+            target_ratios = [
+                ratio_vs_target(
+                    f"persistence throughput {q.size_mib} MiB/rank x {args.ranks}, {OURS} / {BASELINE}",
+                    q.ratio,
+                    f">= {TARGET_THROUGHPUT}x",
+                    q.met,
+                )
+                for q in ratios
+            ]
+            if p50 is not None:  # None with --no-latency
+                target_ratios.append(
+                    ratio_vs_target(
+                        f"save p50 {args.save_size} MiB, persisting every step / no S3 policy",
+                        p50,
+                        f"<= {TARGET_LATENCY}x",
+                        p50 <= TARGET_LATENCY,
+                    )
+                )
             payload = {
                 "throughput": [asdict(r) for r in rows],
                 "ratios": [asdict(q) for q in ratios],
+                "target_ratios": target_ratios,
                 "latency": [asdict(x) for x in latency],
                 "latency_ratios": {
                     "p50": p50,

@@ -1,0 +1,339 @@
+"""The trainer's checkpoint path, one state dict, every way of saving and loading it, in one run.
+
+    .venv/bin/python bench/checkpoint_path.py [--sizes 256,1024] [--repeats 6] [--device cpu|cuda]
+        [--json out.json]
+
+For each size (MiB of tensors, in 16 tensors) it measures, in the same run on the same machine:
+
+* **memcpy**: copying the state dict into preallocated tensors (the floor). On CUDA: the
+  device-to-host copy into pinned host memory.
+* **ours, fast path**: ``dcp.async_save`` with ``TieredStorageWriter`` (what training is blocked
+  for, and the whole save), ``dcp.save`` (a blocking save) and ``dcp.load`` with
+  ``TieredStorageReader``, through the node's agent's shared memory.
+* **ours, HTTP**: the same writer and reader with the fast path off (shard bodies over HTTP).
+* **DCP on /dev/shm**: PyTorch's ``FileSystemWriter`` / ``FileSystemReader`` on tmpfs.
+* **the library**: ``amzn-sagemaker-checkpointing``'s writer and reader against our agent (CPU).
+
+Saves repeat ``--repeats`` times into new steps and the median of the later half is reported
+(the first saves of a rank allocate the agent's buffers; later ones reuse them, as in training).
+It starts ``hyperpod-sim serve`` (SQLite, a one-node cluster with a memory budget that holds the
+state a few times over) and stops it at the end. Ratios against targets are printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import (  # noqa: E402
+    exit_on_sigterm,
+    fmt,
+    kill_leftover_agents,
+    progress,
+    ratio_vs_target,
+    start_hpsim,
+    stop_servers,
+    wait_ready,
+    write_json,
+)
+
+MIB = 1024 * 1024
+TENSORS = 16
+
+
+def state_dict(size_mib: int, device: str) -> dict[str, Any]:
+    import torch
+
+    per = size_mib * MIB // TENSORS // 4
+    generator = torch.Generator().manual_seed(size_mib)
+    tensors = {f"layer{i}.weight": torch.randn(per, generator=generator) for i in range(TENSORS)}
+    return {"model": {k: v.to(device) for k, v in tensors.items()}, "step": 0, "name": "bench"}
+
+
+def median_tail(samples: list[float]) -> float:
+    """The median of the later half: the first saves allocate the agent's buffers."""
+    tail = samples[len(samples) // 2 :] or samples
+    return statistics.median(tail)
+
+
+def timed(fn: Callable[[], Any], *, sync: bool) -> float:
+    import torch
+
+    if sync:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if sync:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import async_save, save
+
+    from sdk.checkpoint import TieredCheckpointConfig, TieredStorageReader, TieredStorageWriter
+
+    cuda = args.device == "cuda"
+    state = state_dict(size, args.device)
+    nbytes = sum(t.numel() * t.element_size() for t in state["model"].values())
+    row: dict[str, Any] = {"size_mib": size, "bytes": nbytes, "device": args.device}
+
+    # The floor: a copy into preallocated (pinned, on CUDA) host tensors.
+    floor = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in state["model"].items()}
+
+    def copy_all() -> None:
+        for key, tensor in state["model"].items():
+            floor[key].copy_(tensor, non_blocking=cuda)
+
+    copy_all()
+    row["memcpy_s"] = statistics.median([timed(copy_all, sync=cuda) for _ in range(args.repeats)])
+    floor.clear()
+
+    def ours(tag: str, fast: bool) -> None:
+        config = TieredCheckpointConfig(
+            namespace=f"bench-{tag}-{size}-{os.getpid()}", world_size=1, agent_url=agent_url, fast_path=fast
+        )
+        stalls, totals, saves = [], [], []
+        step = 0
+        for _ in range(args.repeats):
+            step += 1
+            writer = TieredStorageWriter(config, step=step)
+            started = time.perf_counter()
+            future = async_save(state, storage_writer=writer)
+            stalls.append(time.perf_counter() - started)
+            future.result()
+            totals.append(time.perf_counter() - started)
+        for _ in range(args.repeats):
+            step += 1
+            saves.append(
+                timed(
+                    lambda s=step: save(state, storage_writer=TieredStorageWriter(config, step=s)), sync=cuda
+                )
+            )
+        target = {
+            "model": {k: torch.empty_like(v) for k, v in state["model"].items()},
+            "step": -1,
+            "name": "",
+        }
+        loads = [
+            timed(lambda: load(target, storage_reader=TieredStorageReader(config, step=step)), sync=cuda)
+            for _ in range(args.repeats)
+        ]
+        if not all(torch.equal(target["model"][k], v) for k, v in state["model"].items()):
+            raise RuntimeError(f"{tag}: the loaded state differs from the saved one")
+        row[f"{tag}_stall_s"] = median_tail(stalls)
+        row[f"{tag}_async_total_s"] = median_tail(totals)
+        row[f"{tag}_save_s"] = median_tail(saves)
+        row[f"{tag}_load_s"] = median_tail(loads)
+
+    progress(f"{size} MiB: fast path")
+    ours("fast", True)
+    progress(f"{size} MiB: HTTP")
+    ours("http", False)
+
+    progress(f"{size} MiB: DCP on /dev/shm")
+    shm = Path(tempfile.mkdtemp(prefix="hpsim-bench-dcp-", dir="/dev/shm"))
+    try:
+        saves = []
+        for i in range(args.repeats):
+            saves.append(
+                timed(
+                    lambda i=i: save(state, storage_writer=FileSystemWriter(str(shm / f"step_{i}"))),
+                    sync=cuda,
+                )
+            )
+            if i:
+                shutil.rmtree(shm / f"step_{i - 1}", ignore_errors=True)
+        last = shm / f"step_{args.repeats - 1}"
+        target = {
+            "model": {k: torch.empty_like(v) for k, v in state["model"].items()},
+            "step": -1,
+            "name": "",
+        }
+        loads = [
+            timed(lambda: load(target, storage_reader=FileSystemReader(str(last))), sync=cuda)
+            for _ in range(args.repeats)
+        ]
+        row["dcp_shm_save_s"] = median_tail(saves)
+        row["dcp_shm_load_s"] = median_tail(loads)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+    if not cuda and not args.skip_library:
+        progress(f"{size} MiB: amzn-sagemaker-checkpointing")
+        row.update(measure_library(state, agent_url, size, args.repeats))
+    return row
+
+
+def measure_library(state: dict[str, Any], agent_url: str, size: int, repeats: int) -> dict[str, float]:
+    import logging
+
+    import torch
+    from amzn_sagemaker_checkpointing.checkpointing.filesystem import (
+        SageMakerTieredStorageReader,
+        SageMakerTieredStorageWriter,
+    )
+    from amzn_sagemaker_checkpointing.config.in_memory_client import InMemoryClientConfig
+    from amzn_sagemaker_checkpointing.config.sagemaker_checkpoint_config import SageMakerCheckpointConfig
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    logging.getLogger("sagemaker").setLevel(logging.ERROR)
+    defaults = list(InMemoryClientConfig.__init__.__defaults__ or ())
+    defaults[0] = agent_url
+    InMemoryClientConfig.__init__.__defaults__ = tuple(defaults)
+    config = SageMakerCheckpointConfig(namespace=f"bench-lib-{size}-{os.getpid()}", world_size=1)
+    saves = [
+        timed(
+            lambda s=s: save(state, storage_writer=SageMakerTieredStorageWriter(config, step=s)), sync=False
+        )
+        for s in range(1, repeats + 1)
+    ]
+    target = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}, "step": -1, "name": ""}
+    loads = [
+        timed(
+            lambda: load(target, storage_reader=SageMakerTieredStorageReader(config, step=repeats)),
+            sync=False,
+        )
+        for _ in range(repeats)
+    ]
+    return {"library_save_s": median_tail(saves), "library_load_s": median_tail(loads)}
+
+
+def ratios(row: dict[str, Any]) -> list[tuple[str, float, str, bool]]:
+    """(what, value, target, met) for one size."""
+    out = []
+    limit = 2.0 if row["device"] == "cuda" else 1.5
+    stall = row["fast_stall_s"] / row["memcpy_s"]
+    what = "pinned D2H copy" if row["device"] == "cuda" else "memcpy"
+    out.append((f"async_save stall / {what}", stall, f"<= {limit}x", stall <= limit))
+    save_speedup = row["dcp_shm_save_s"] / row["fast_save_s"]
+    out.append(("DCP /dev/shm save / ours (fast path)", save_speedup, ">= 2x", save_speedup >= 2))
+    load_speedup = row["dcp_shm_load_s"] / row["fast_load_s"]
+    out.append(("DCP /dev/shm load / ours (fast path)", load_speedup, ">= 2x", load_speedup >= 2))
+    return out
+
+
+def _line(row: dict[str, Any], path: str, stall: float | None, save: float | None, load: float | None) -> str:
+    rate = row["bytes"] / 1e9 / save if save else None
+    return (
+        f"{row['size_mib']:>6} {row['device']:6} {path:34} {fmt(stall, '9.4f')} {fmt(save, '9.4f')} "
+        f"{fmt(load, '9.4f')} {fmt(rate, '10.2f')}"
+    )
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "",
+        f"{'size':>6} {'device':6} {'path':34} {'stall s':>9} {'save s':>9} {'load s':>9} {'GB/s save':>10}",
+    ]
+    for row in rows:
+        lines.append(_line(row, "memcpy into preallocated (floor)", None, row["memcpy_s"], None))
+        lines.append(
+            _line(row, "ours: fast path, async_save", row["fast_stall_s"], row["fast_async_total_s"], None)
+        )
+        lines.append(_line(row, "ours: fast path, save / load", None, row["fast_save_s"], row["fast_load_s"]))
+        lines.append(
+            _line(row, "ours: HTTP, async_save", row["http_stall_s"], row["http_async_total_s"], None)
+        )
+        lines.append(_line(row, "ours: HTTP, save / load", None, row["http_save_s"], row["http_load_s"]))
+        lines.append(
+            _line(row, "DCP FileSystemWriter on /dev/shm", None, row["dcp_shm_save_s"], row["dcp_shm_load_s"])
+        )
+        if "library_save_s" in row:
+            lines.append(
+                _line(row, "amzn-sagemaker-checkpointing", None, row["library_save_s"], row["library_load_s"])
+            )
+    lines.append("")
+    for row in rows:
+        for what, value, target, met in ratios(row):
+            verdict = "met" if met else "NOT MET"
+            lines.append(
+                f"{row['size_mib']:>5} MiB {row['device']}: {what}: {value:.2f}x (target {target}) {verdict}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="256,1024", help="MiB of tensors per state dict (comma-separated)")
+    parser.add_argument(
+        "--repeats", type=int, default=6, help="saves per path; the later half is reported (buffers warm)"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--skip-library", action="store_true", help="leave out amzn-sagemaker-checkpointing")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    exit_on_sigterm()
+    workdir = Path(tempfile.mkdtemp(prefix="hpsim-bench-ckpt-"))
+    shm_root = Path(f"/dev/shm/hpsim-bench-ckpt-{os.getpid()}")
+    # Budget: the instance's memory x 20 % x scale; hold the largest state ~6 times (retention,
+    # the rotation's spare, the HTTP path's namespace and the library's).
+    scale = max(sizes) * MIB * 8 / (2048 * 1024**3 * 0.2)
+    settings = {
+        "HPSIM_PROVISIONING__MODE": "local",
+        "HPSIM_SIMULATION__MEMORY_SCALE": f"{scale:.6f}",
+        "HPSIM_SIMULATION__SHM_ROOT": str(shm_root),
+        "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "120",
+        "HPSIM_S3__EMBEDDED": "false",
+    }
+    server = start_hpsim(workdir, settings)
+    try:
+        wait_ready(server, 60)
+        from sdk.client import HyperPodClient
+
+        with HyperPodClient(server.endpoint) as client:
+            client.create_cluster(
+                ClusterName="bench",
+                InstanceGroups=[
+                    {
+                        "InstanceGroupName": "workers",
+                        "InstanceType": "ml.p5.48xlarge",
+                        "InstanceCount": 1,
+                        "ExecutionRole": "arn:aws:iam::123456789012:role/bench",
+                    }
+                ],
+                Orchestrator={"Eks": {"ClusterArn": "arn:aws:eks:us-east-1:123456789012:cluster/bench"}},
+                TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20},
+            )
+            client.wait_until_in_service("bench", timeout=120)
+            client.put_checkpoint_policy("bench", InMemoryRetention=2, ReplicationFactor=0)
+            client.wait_until_in_service("bench", timeout=120)
+            agent_url = client.agent_urls("bench")[0]
+        rows = [measure(args, agent_url, size, workdir) for size in sizes]
+        print(render(rows))
+        if args.json:
+            target_ratios = [
+                ratio_vs_target(f"{what}, {r['size_mib']} MiB {r['device']}", value, target, met)
+                for r in rows
+                for what, value, target, met in ratios(r)
+            ]
+            write_json(args.json, {"rows": rows, "target_ratios": target_ratios})
+    finally:
+        stop_servers([server])
+        kill_leftover_agents(workdir)
+        shutil.rmtree(shm_root, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
