@@ -139,7 +139,13 @@ def test_persist_every_n_steps_layout_markers_and_retention(
         agent_plane, sm, "persist", S3BaseUri=f"s3://{bucket}/runs", PersistEverySteps=2, S3Retention=2
     )
     assert create_namespace(nodes[0], "job", 3, steps_retained=3).status_code == 201
-    saved = {step: save_step(nodes, "job", step, 2) for step in range(1, 7)}
+    saved = {}
+    for step in range(1, 7):
+        saved[step] = save_step(nodes, "job", step, 2)
+        if step % 2 == 0:
+            # One persist at a time, the newest due step queued: under load a due step can be
+            # superseded by the next one before it starts. Wait, so that every due step goes.
+            wait_for(lambda s=step: s in markers(s3, bucket, "runs/job/"), timeout=60, what=f"step {step}")
     wait_for(lambda: markers(s3, bucket, "runs/job/") == [4, 6], timeout=60, what="steps 4 and 6 on S3")
     # Only due steps were persisted, and retention deleted step 2 whole; odd steps never went.
     wait_for(lambda: not keys(s3, bucket, "runs/job/rank_0/step_2/"), timeout=30, what="step 2 deleted")
