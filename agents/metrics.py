@@ -193,5 +193,7 @@ def s3_metrics(tier: MemoryTier) -> list[Metric]:
          counters.abandoned_steps_deleted_total),
         ("drain_failures_total", "counter", "Steps a drain could not persist.",
          counters.drain_failures_total),
+        ("injected_errors_total", "counter", "S3 requests failed by an injected fault (S3Errors, S3Outage).",
+         s3.faults.injected_total),
     ]  # fmt: skip
     return [Metric(name=f"hpsim_s3_{n}", kind=k, help=h, value=v) for n, k, h, v in rows]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 import time
 from collections.abc import Iterator
@@ -40,6 +41,73 @@ _STEP_IN_KEY = re.compile(r"/step_(\d+)(?:/|\.json$)")
 PART_BYTES = 16 * 1024 * 1024
 PART_THREADS = 4
 UPLOAD_ATTEMPTS = 3
+
+
+class S3Faults:
+    """S3 faults the control plane injects (the node policy's ``faults.s3``; domain/faults.py),
+    applied to every request of this agent's S3 clients by a botocore ``before-send`` handler: it
+    sleeps for the latency, and for errors and outages answers in S3's place with a 503 SlowDown,
+    500 InternalError or 503 ServiceUnavailable and S3's XML error body. botocore then handles the
+    answer as a real one: its retries, backoff and retry quota all run as they would against S3.
+    A fault past its ``until`` (epoch seconds) is ignored, even before the control plane's next
+    policy says it is over."""
+
+    def __init__(self) -> None:
+        self.doc: dict[str, Any] | None = None
+        self.injected_total = 0  # requests answered with an injected error
+
+    def set(self, doc: Any) -> None:
+        self.doc = doc if isinstance(doc, dict) else None
+
+    def active(self) -> dict[str, Any] | None:
+        doc = self.doc
+        if doc is None:
+            return None
+        until = doc.get("until")
+        if isinstance(until, int | float) and time.time() >= until:
+            return None
+        return doc
+
+    def before_send(self, request: Any, **kwargs: Any) -> Any:
+        doc = self.active()
+        if doc is None:
+            return None
+        latency_ms = doc.get("latency_ms")
+        if isinstance(latency_ms, int | float) and latency_ms > 0:
+            time.sleep(latency_ms / 1000)
+        if doc.get("outage"):
+            return self._answer(request, 503, "ServiceUnavailable", "injected S3 outage")
+        rate = doc.get("error_rate")
+        if isinstance(rate, int | float) and random.random() < rate:
+            if doc.get("error_kind") == "InternalError":
+                return self._answer(request, 500, "InternalError", "injected S3 error")
+            return self._answer(request, 503, "SlowDown", "injected S3 throttling")
+        return None
+
+    def _answer(self, request: Any, status: int, code: str, message: str) -> Any:
+        from botocore.awsrequest import AWSResponse
+
+        self.injected_total += 1
+        body = (
+            b""
+            if request.method == "HEAD"
+            else (
+                f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}'
+                f"</Message><RequestId>hpsim-fault</RequestId></Error>"
+            ).encode()
+        )
+        headers = {"Content-Type": "application/xml", "Content-Length": str(len(body))}
+        return AWSResponse(request.url, status, headers, _Raw(body))
+
+
+class _Raw:
+    """The body of a synthetic answer, as botocore reads an urllib3 response's."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[bytes]:
+        yield self._body
 
 
 class S3Unavailable(Exception):
@@ -140,7 +208,14 @@ class S3Objects:
     times for what botocore does not retry, such as a connection dropped between parts.
     """
 
-    def __init__(self, *, endpoint_url: str | None, region: str, max_attempts: int = 6) -> None:
+    def __init__(
+        self,
+        *,
+        endpoint_url: str | None,
+        region: str,
+        max_attempts: int = 6,
+        faults: S3Faults | None = None,
+    ) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -157,6 +232,8 @@ class S3Objects:
                 s3={"addressing_style": "path"} if endpoint_url else None,
             ),
         )
+        if faults is not None:
+            self._client.meta.events.register("before-send.s3", faults.before_send)
         self._transfer = TransferConfig(
             multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=PART_THREADS
         )

@@ -40,7 +40,15 @@ from urllib.parse import quote
 
 import httpx
 
-from agents.s3objects import MARKER_FORMAT, S3Objects, S3Target, S3Unavailable, ShardObject, step_of_key
+from agents.s3objects import (
+    MARKER_FORMAT,
+    S3Faults,
+    S3Objects,
+    S3Target,
+    S3Unavailable,
+    ShardObject,
+    step_of_key,
+)
 from agents.store import CorruptShard, ShardKey
 
 if TYPE_CHECKING:
@@ -82,6 +90,7 @@ class _NamespaceQueue:
     task: asyncio.Task[None] | None = None
     wanted: int | None = None  # the newest due step not yet persisted
     last_started: float = float("-inf")
+    failures: int = 0  # failed persists since the last time nothing was pending
 
 
 class S3Tier:
@@ -106,6 +115,9 @@ class S3Tier:
         self._uploaded: dict[tuple[str, ShardKey], ShardObject] = {}
         self._queues: dict[str, _NamespaceQueue] = {}
         self._closing = False
+        # Injected S3 faults (the policy's faults.s3), applied by every S3 client of this tier.
+        self.faults = S3Faults()
+        tier.state.listeners.append(self._on_policy)
 
     async def aclose(self) -> None:
         self._closing = True
@@ -129,6 +141,9 @@ class S3Tier:
         if self.target is None:
             self.counters.due.clear()
 
+    def _on_policy(self, previous: dict[str, Any] | None, current: dict[str, Any]) -> None:
+        self.faults.set((current.get("faults") or {}).get("s3"))
+
     @property
     def upload_retries_total(self) -> int:
         return sum(objects.retries_total for objects in self._objects.values())
@@ -140,7 +155,9 @@ class S3Tier:
         key = (target.endpoint_url, target.region)
         objects = self._objects.get(key)
         if objects is None:
-            built = await self._run(lambda: S3Objects(endpoint_url=target.endpoint_url, region=target.region))
+            built = await self._run(
+                lambda: S3Objects(endpoint_url=target.endpoint_url, region=target.region, faults=self.faults)
+            )
             objects = self._objects.setdefault(key, built)
             if objects is not built:
                 built.close()
@@ -193,6 +210,7 @@ class S3Tier:
                 await self.persist_step(name, step)
             except (PersistFailed, S3Unavailable) as exc:
                 self.counters.failures_total += 1
+                queue.failures += 1
                 self.counters.last_error = str(exc)[:500]
                 log.warning("persist of step %d of %r failed; retrying in %.1f s: %s", step, name, delay, exc)
                 if queue.wanted == step:
@@ -211,6 +229,21 @@ class S3Tier:
             delay = 0.5
             if queue.wanted == step:
                 queue.wanted = None
+            if queue.failures and not any(due[0] == name for due in self.counters.due):
+                await self._report_caught_up(name, step, queue.failures)
+                queue.failures = 0
+
+    async def _report_caught_up(self, name: str, step: int, failures: int) -> None:
+        """A cluster event: the lag that failed persists built up is gone (nothing pending)."""
+        target = self.target
+        where = target.base_uri if target is not None else "S3"
+        message = (
+            f"S3 persistence caught up: step {step} of namespace {name!r} on S3 ({where}) after "
+            f"{failures} failed attempt{'s' if failures != 1 else ''}; no step is pending."
+        )
+        log.warning("%s", message)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._tier.report_event("Info", message), 5.0)
 
     async def _still_complete(self, name: str, step: int) -> bool:
         try:

@@ -20,6 +20,7 @@ from domain.checkpoints import CheckpointCatalog
 from domain.clock import Clock, Ids, SystemClock
 from domain.clusters import ClusterService, DomainConfig
 from domain.errors import AwsError, UnknownOperationException, ValidationException
+from domain.faults import FaultService
 from domain.provisioning import Provisioner, make_provisioner
 from domain.reconciler import Reconciler, ReconcilerConfig
 from hyperpod_sim.settings import Settings
@@ -71,6 +72,7 @@ def build_services(
             push_timeout_s=settings.reconciler.push_timeout_s,
             push_backoff_s=settings.reconciler.push_backoff_s,
             push_backoff_max_s=settings.reconciler.push_backoff_max_s,
+            restart_agents=provisioning.restart_agents,
         ),
     )
     agents = AgentService(
@@ -106,6 +108,14 @@ def build_services(
         agents=agents,
         reconciler=reconciler,
         checkpoints=CheckpointCatalog(db=db),
+        faults=FaultService(
+            db=db,
+            clock=clock,
+            ids=ids,
+            provisioner=provisioner,
+            provisioning_mode=provisioning.mode,
+            on_change=reconciler.wake,
+        ),
     )
 
 

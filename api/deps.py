@@ -15,6 +15,7 @@ from domain.agents import AgentService
 from domain.checkpoints import CheckpointCatalog
 from domain.clusters import ClusterService
 from domain.errors import AwsError, InternalFailure, ServiceUnavailable
+from domain.faults import FaultService
 from domain.reconciler import Reconciler
 from hyperpod_sim.settings import Settings
 from models import Database
@@ -32,6 +33,7 @@ class Services:
     agents: AgentService
     reconciler: Reconciler
     checkpoints: CheckpointCatalog
+    faults: FaultService
 
 
 def get_services(request: Request) -> Services:

@@ -461,6 +461,174 @@ async def list_checkpoints(name: str, services: ServicesDep) -> dict[str, Any]:
     return listing.to_wire()
 
 
+FAULT_EXAMPLES: dict[str, dict[str, Any]] = {
+    "AgentCrash": {
+        "summary": "Kill a node's agent (it is restarted; its shared memory stays)",
+        "value": {"Type": "AgentCrash", "InstanceId": "i-0123456789abcdef0"},
+    },
+    "NodeLoss": {
+        "summary": "Lose a node: agent killed, shared memory wiped; the node fails and is replaced",
+        "value": {"Type": "NodeLoss", "InstanceId": "i-0123456789abcdef0"},
+    },
+    "AgentHang": {
+        "summary": "Stop a node's agent (SIGSTOP) for 30 s",
+        "value": {"Type": "AgentHang", "InstanceId": "i-0123456789abcdef0", "DurationSeconds": 30},
+    },
+    "S3Latency": {
+        "summary": "Delay every S3 request of the agents by 500 ms for 5 minutes",
+        "value": {"Type": "S3Latency", "LatencyMs": 500, "DurationSeconds": 300},
+    },
+    "S3Errors": {
+        "summary": "Answer 30 % of S3 requests 503 SlowDown until cleared",
+        "value": {"Type": "S3Errors", "ErrorRate": 0.3, "ErrorKind": "Throttle"},
+    },
+    "S3Outage": {
+        "summary": "Fail every S3 request for 60 s",
+        "value": {"Type": "S3Outage", "DurationSeconds": 60},
+    },
+}
+FAULT_ANSWER_EXAMPLE = {
+    "ClusterName": "demo",
+    "FaultId": "f-3f2a9c41d07b5e68",
+    "Type": "S3Outage",
+    "DurationSeconds": 60,
+    "InjectedAt": 1764460800.0,
+    "EndsAt": 1764460860.0,
+    "PolicyGeneration": 5,
+}
+FAULT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["Type"],
+    "properties": {
+        "Type": {
+            "type": "string",
+            "enum": ["AgentCrash", "NodeLoss", "AgentHang", "S3Latency", "S3Errors", "S3Outage"],
+            "description": "Node faults (AgentCrash, NodeLoss, AgentHang) need InstanceId and the local "
+            "provisioner; S3 faults act on every agent of the cluster, one at a time.",
+        },
+        "InstanceId": {"type": "string", "maxLength": 19, "description": "The node (node faults only)."},
+        "DurationSeconds": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": 86400,
+            "description": "AgentHang (required) and S3 faults (optional: until cleared).",
+        },
+        "LatencyMs": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": 60000,
+            "description": "S3Latency: per request.",
+        },
+        "ErrorRate": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": 1,
+            "description": "S3Errors: the share of S3 requests that fail.",
+        },
+        "ErrorKind": {
+            "type": "string",
+            "enum": ["Throttle", "InternalError"],
+            "default": "Throttle",
+            "description": "S3Errors: 503 SlowDown or 500 InternalError; botocore retries both.",
+        },
+    },
+}
+_FAULT_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "ValidationException naming each bad member (AWS error shape)"},
+    404: {"description": "ResourceNotFound: unknown cluster, node or fault"},
+    409: {"description": "ConflictException: the cluster or node is not in a state to take the fault"},
+}
+
+
+@router.post(
+    "/clusters/{name}/faults",
+    status_code=201,
+    summary="Inject a fault (hyperpod-sim extension)",
+    description="Node faults act on one node's agent process (local provisioner only): `AgentCrash` "
+    "kills it (SIGKILL; the control plane restarts it on the same node, which keeps its id and "
+    "shared memory), `NodeLoss` kills it and wipes the node's shared memory (the node fails after "
+    "the heartbeat timeout and, with NodeRecovery Automatic, is replaced), `AgentHang` stops it "
+    "(SIGSTOP) for `DurationSeconds` (past the heartbeat timeout the node fails as if lost). S3 "
+    "faults act on the S3 requests of every agent of the cluster, carried in the node policy (a new "
+    "policy generation, pushed without changing the cluster's status): `S3Latency` delays each "
+    "request, `S3Errors` answers a share of them 503 SlowDown or 500 InternalError, `S3Outage` fails "
+    "them all. Every injection and every end is a cluster event.",
+    tags=["faults"],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": FAULT_SCHEMA, "examples": FAULT_EXAMPLES}},
+        }
+    },
+    responses={201: {"content": {"application/json": {"example": FAULT_ANSWER_EXAMPLE}}}, **_FAULT_ERRORS},
+)
+async def inject_fault(name: str, request: Request, services: ServicesDep) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError as exc:
+        raise SerializationException("The request body is not valid JSON.") from exc
+    try:
+        cluster, fault = await run_in_threadpool(lambda: services.faults.inject_fault(name=name, body=body))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    return {"ClusterName": cluster.name, **fault}
+
+
+@router.get(
+    "/clusters/{name}/faults",
+    summary="The faults in force (hyperpod-sim extension)",
+    description="Faults in force, oldest first: S3 faults and hangs until they end or are cleared, a "
+    "NodeLoss until the control plane has failed the node. An AgentCrash is over once injected and "
+    "is not listed; its traces are the cluster's events.",
+    tags=["faults"],
+    responses={
+        200: {
+            "content": {
+                "application/json": {
+                    "example": {
+                        "ClusterName": "demo",
+                        "Faults": [{k: v for k, v in FAULT_ANSWER_EXAMPLE.items() if k != "ClusterName"}],
+                    }
+                }
+            }
+        },
+        404: _FAULT_ERRORS[404],
+    },
+)
+async def list_faults(name: str, services: ServicesDep) -> dict[str, Any]:
+    try:
+        cluster, found = await run_in_threadpool(lambda: services.faults.list_faults(name=name))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    return {"ClusterName": cluster.name, "Faults": found}
+
+
+@router.delete(
+    "/clusters/{name}/faults/{fault_id}",
+    summary="End a fault now (hyperpod-sim extension)",
+    description="Ends an S3 fault (a new policy generation without it is pushed to the agents) or an "
+    "AgentHang (SIGCONT) before its time. A NodeLoss cannot be undone (ValidationException); an "
+    "unknown or already ended fault is ResourceNotFound.",
+    tags=["faults"],
+    responses={
+        200: {
+            "content": {"application/json": {"example": {**FAULT_ANSWER_EXAMPLE, "ClearedAt": 1764460830.0}}}
+        },
+        **_FAULT_ERRORS,
+    },
+)
+async def clear_fault(name: str, fault_id: str, services: ServicesDep) -> dict[str, Any]:
+    try:
+        cluster, fault = await run_in_threadpool(
+            lambda: services.faults.clear_fault(name=name, fault_id=fault_id)
+        )
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    return {"ClusterName": cluster.name, **fault}
+
+
 def _aws_json_entry_doc() -> dict[str, Any]:
     """OpenAPI entry for ``POST /``, which api/awsjson.py serves in front of the routes."""
     return {

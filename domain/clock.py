@@ -38,5 +38,9 @@ class Ids:
     def event_id(self) -> str:
         return str(uuid.uuid4())
 
+    def fault_id(self) -> str:
+        """``f-`` and 16 hex digits: an injected fault (domain/faults.py)."""
+        return "f-" + secrets.token_hex(8)
+
     def private_ip(self) -> str:
         return f"10.{secrets.randbelow(256)}.{secrets.randbelow(256)}.{1 + secrets.randbelow(254)}"

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
+from domain.faults import s3_fault_document
 from domain.instance_types import instance_memory_bytes
 from models import Cluster, Node
 
@@ -56,4 +57,6 @@ def build_policy(
         "in_memory_retention": checkpoint.in_memory_retention,
         "replication": {"factor": checkpoint.replication_factor if enabled else 0, "peers": peers},
         "s3": checkpoint.s3_document(s3_endpoint) if enabled else None,
+        # Injected faults the agent applies itself (domain/faults.py): S3 faults, in its S3 client.
+        "faults": {"s3": s3_fault_document(cluster)},
     }

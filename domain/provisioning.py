@@ -10,6 +10,10 @@
   next heartbeat (404) and exits.
 - ``SimulatedProvisioner`` has no agents at all: a node is Running once its launch delay passed.
   For API-only use (tests of the AWS surface, the control-plane benchmark).
+
+Only the local provisioner owns its agents' processes, so only it can restart a crashed agent
+(the reconciler asks ``running_agents``) and inject node faults (``kill_agent``, ``pause_agent``,
+``resume_agent``; domain/faults.py).
 """
 
 from __future__ import annotations
@@ -56,8 +60,42 @@ class Provisioner(Protocol):
     def reap(self) -> None:
         """Collect exited agent processes; force the stop of those that ignore SIGTERM."""
 
+    #: Whether it owns the agents' processes: restarts crashed agents, injects node faults.
+    owns_agents: bool
 
-class SimulatedProvisioner:
+    def running_agents(self) -> set[str] | None:
+        """Node ids whose agent process exists on this machine; None: cannot tell."""
+
+    def kill_agent(self, node: Node, *, wipe_memory: bool) -> list[int]:
+        """SIGKILL the node's agent (a crash); with ``wipe_memory`` its shared memory goes too (the
+        node is lost). The pids killed."""
+
+    def pause_agent(self, node: Node) -> list[int]:
+        """SIGSTOP the node's agent (a hang: its port stays open, nothing answers). The pids."""
+
+    def resume_agent(self, node: Node) -> list[int]:
+        """SIGCONT the node's agent. The pids."""
+
+
+class _NoProcesses:
+    """Provisioners that own no agent processes: nothing to restart, no node faults."""
+
+    owns_agents = False
+
+    def running_agents(self) -> set[str] | None:
+        return None
+
+    def kill_agent(self, node: Node, *, wipe_memory: bool) -> list[int]:
+        raise NotImplementedError("this provisioner owns no agent processes")
+
+    def pause_agent(self, node: Node) -> list[int]:
+        raise NotImplementedError("this provisioner owns no agent processes")
+
+    def resume_agent(self, node: Node) -> list[int]:
+        raise NotImplementedError("this provisioner owns no agent processes")
+
+
+class SimulatedProvisioner(_NoProcesses):
     uses_agents = False
 
     def launch(self, cluster: Cluster, node: Node) -> None:
@@ -79,7 +117,7 @@ class SimulatedProvisioner:
         return None
 
 
-class ExternalProvisioner:
+class ExternalProvisioner(_NoProcesses):
     uses_agents = True
 
     def launch(self, cluster: Cluster, node: Node) -> None:
@@ -120,6 +158,35 @@ def find_agent_pids(node_id: str) -> list[int]:
     return pids
 
 
+def agent_node_ids() -> set[str]:
+    """The node ids of every agent process on this machine (one pass over /proc), matched as
+    ``find_agent_pids`` matches them."""
+    found: set[str] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+        except OSError:
+            continue
+        argv = cmdline.split(b"\0")
+        if b"agent\0" in cmdline and b"--node-id" in argv:  # as find_agent_pids matches them
+            index = argv.index(b"--node-id") + 1
+            if index < len(argv):
+                found.add(argv[index].decode(errors="replace"))
+    return found
+
+
+def _signal_all(pids: list[int], signum: int) -> list[int]:
+    sent = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+            sent.append(pid)
+    return sent
+
+
 @dataclass
 class LocalProvisioner:
     """Agents as child processes on loopback ports of this machine."""
@@ -134,6 +201,7 @@ class LocalProvisioner:
     # the embedded S3 endpoint).
     agent_env: Mapping[str, str] = field(default_factory=dict)
     uses_agents: bool = True
+    owns_agents: bool = True
     _children: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     # pid -> when SIGTERM was sent, for the SIGKILL of agents that do not stop.
     _stopping: dict[int, float] = field(default_factory=dict)
@@ -192,6 +260,26 @@ class LocalProvisioner:
 
     def is_ready(self, node: Node, now: datetime) -> bool:
         return False
+
+    def running_agents(self) -> set[str] | None:
+        return agent_node_ids()
+
+    def kill_agent(self, node: Node, *, wipe_memory: bool) -> list[int]:
+        pids = _signal_all(find_agent_pids(node.id), signal.SIGKILL)
+        for pid in pids:  # collect our children now, so they are not left as zombies
+            child = self._children.pop(pid, None)
+            if child is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=5)
+        if wipe_memory:
+            shutil.rmtree(self.shm_dir(node.id), ignore_errors=True)
+        return pids
+
+    def pause_agent(self, node: Node) -> list[int]:
+        return _signal_all(find_agent_pids(node.id), signal.SIGSTOP)
+
+    def resume_agent(self, node: Node) -> list[int]:
+        return _signal_all(find_agent_pids(node.id), signal.SIGCONT)
 
     def reap(self) -> None:
         for pid, process in list(self._children.items()):

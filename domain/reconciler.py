@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import delete, or_, select
 from sqlalchemy.orm import Session, selectinload
 
-from domain import events
+from domain import events, faults
 from domain.checkpoint_policy import S3Endpoint
 from domain.clock import Clock, Ids
 from domain.events import Level
@@ -36,6 +36,11 @@ from models import Cluster, Database, InstanceGroup, Node, Tag
 log = logging.getLogger(__name__)
 
 LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
+# A crashed agent is restarted at once; one that crashes again within RESTART_WINDOW_S of its last
+# restart waits RESTART_BACKOFF_S, doubling with each such restart up to RESTART_BACKOFF_MAX_S.
+RESTART_WINDOW_S = 60.0
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class ReconcilerConfig:
     push_timeout_s: float
     push_backoff_s: float
     push_backoff_max_s: float
+    # Restart the crashed agent of a Pending or Running node (local provisioner), as a kubelet
+    # restarts a daemon, instead of letting its node fail.
+    restart_agents: bool = True
 
 
 @dataclass(frozen=True)
@@ -223,7 +231,15 @@ class Reconciler:
                 outcome.changed = True
             return
 
+        changed, due = faults.end_due_faults(
+            session, ids=self.ids, now=now, cluster=cluster, provisioner=self.provisioner
+        )
+        if changed:
+            outcome.changed = True
+        if due is not None:
+            outcome.note_due(due)
         if self.provisioner.uses_agents:
+            self._restart_crashed_agents(session, cluster, now, outcome)
             self._detect_failures(session, cluster, now, outcome)
 
         members_before = {n.id for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN}
@@ -343,7 +359,23 @@ class Reconciler:
         for node in list(cluster.nodes):
             reason = None
             if node.status in (NodeStatus.PENDING, NodeStatus.RUNNING):
-                if node.last_heartbeat is not None:
+                restarted = node.agent_restarted_at
+                if (
+                    restarted is not None
+                    and node.last_heartbeat is not None
+                    and restarted >= node.last_heartbeat
+                ):
+                    # A restarted agent has as long to register as a new one, counted from the
+                    # last heartbeat: an agent that keeps crashing does not keep its node alive.
+                    deadline = node.last_heartbeat + heartbeat_timeout + launch_timeout
+                    if now >= deadline:
+                        reason = (
+                            "its agent crashed and was restarted, but did not register within "
+                            f"{self.config.launch_timeout_s:g} s"
+                        )
+                    else:
+                        outcome.note_due(deadline)
+                elif node.last_heartbeat is not None:
                     deadline = node.last_heartbeat + heartbeat_timeout
                     if now >= deadline:
                         reason = f"no heartbeat from its agent for {self.config.heartbeat_timeout_s:g} s"
@@ -378,6 +410,51 @@ class Reconciler:
                 outcome.changed = outcome.again = True
         if replaced:
             cluster.generation += 1  # the ring changed: every node's replica peers may have
+
+    def _restart_crashed_agents(
+        self, session: Session, cluster: Cluster, now: datetime, outcome: Outcome
+    ) -> None:
+        """Start again the agent of a Pending or Running node whose agent process has gone (it
+        registered before, so it did not just fail to start), unless the node was lost (a NodeLoss
+        fault): the node keeps its id and its shared memory, and the agent finds its shards there."""
+        if not self.config.restart_agents:
+            return
+        running = self.provisioner.running_agents()
+        if running is None:
+            return
+        lost = faults.lost_nodes(cluster)
+        for node in cluster.nodes:
+            if (
+                node.status not in (NodeStatus.PENDING, NodeStatus.RUNNING)
+                or node.endpoint is None
+                or node.id in running
+                or node.id in lost
+            ):
+                continue
+            last = node.agent_restarted_at
+            restarts = 1
+            if last is not None and now - last < timedelta(seconds=RESTART_WINDOW_S):
+                delay = timedelta(
+                    seconds=min(RESTART_BACKOFF_S * 2 ** (node.agent_restarts - 1), RESTART_BACKOFF_MAX_S)
+                )
+                if now < last + delay:
+                    outcome.note_due(last + delay)
+                    continue
+                restarts = node.agent_restarts + 1
+            node.agent_restarts = restarts
+            node.agent_restarted_at = now
+            events.record(
+                session,
+                ids=self.ids,
+                now=now,
+                cluster=cluster,
+                node=node,
+                level=Level.WARN,
+                description=f"The agent of node {node.id} exited unexpectedly; restarting it "
+                f"(restart {restarts} in a row).",
+            )
+            outcome.launches.append(node.id)
+            outcome.changed = True
 
     def _fail(self, session: Session, cluster: Cluster, node: Node, now: datetime, reason: str) -> None:
         """Mark a node failed, with the reason in its status and an Error event."""

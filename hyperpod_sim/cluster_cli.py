@@ -1,4 +1,5 @@
-"""``hyperpod-sim cluster ...`` and ``hyperpod-sim checkpoints``: the control plane from a shell,
+"""``hyperpod-sim cluster ...``, ``hyperpod-sim checkpoints`` and ``hyperpod-sim fault ...``: the
+control plane from a shell,
 built on the SDK's HyperPodClient (sdk/client.py; docs/sdk.md).
 
 Only argparse is imported here at module level: ``hyperpod_sim.cli`` builds its parser from this
@@ -523,6 +524,78 @@ def checkpoints(client: HyperPodClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _fault_details(fault: dict[str, Any]) -> str | None:
+    parts = []
+    if fault.get("LatencyMs") is not None:
+        parts.append(f"{fault['LatencyMs']} ms")
+    if fault.get("ErrorRate") is not None:
+        parts.append(f"rate {fault['ErrorRate']:g} {fault.get('ErrorKind') or 'Throttle'}")
+    if fault.get("DurationSeconds") is not None:
+        parts.append(f"{fault['DurationSeconds']} s")
+    elif fault.get("Type", "").startswith("S3"):
+        parts.append("until cleared")
+    return ", ".join(parts) or None
+
+
+def _epoch(value: object) -> object:
+    return datetime.fromtimestamp(value, tz=UTC) if isinstance(value, int | float) else value
+
+
+def fault_inject(client: HyperPodClient, args: argparse.Namespace) -> int:
+    spec: dict[str, Any] = {"Type": args.type}
+    for member, value in (
+        ("InstanceId", args.instance_id),
+        ("DurationSeconds", args.duration),
+        ("LatencyMs", args.latency_ms),
+        ("ErrorRate", args.error_rate),
+        ("ErrorKind", args.error_kind),
+    ):
+        if value is not None:
+            spec[member] = value
+    fault = client.inject_fault(args.name, **spec)
+    if args.json:
+        print(_json(fault))
+        return 0
+    pairs: list[tuple[str, object]] = [
+        ("Fault", fault["FaultId"]),
+        ("Type", fault["Type"]),
+        ("Node", fault.get("InstanceId")),
+        ("Details", _fault_details(fault)),
+        ("Injected", _epoch(fault.get("InjectedAt"))),
+        ("Ends", _epoch(fault.get("EndsAt"))),
+    ]
+    print(fields(pairs))
+    return 0
+
+
+def fault_list(client: HyperPodClient, args: argparse.Namespace) -> int:
+    faults = client.list_faults(args.name)
+    if args.json:
+        print(_json(faults))
+    elif not faults:
+        print(f"Cluster {args.name} has no faults in force.")
+    else:
+        rows = [
+            [
+                f["FaultId"],
+                f["Type"],
+                f.get("InstanceId"),
+                _fault_details(f),
+                _epoch(f.get("InjectedAt")),
+                _epoch(f.get("EndsAt")),
+            ]
+            for f in faults
+        ]
+        print(table(["FAULT", "TYPE", "NODE", "DETAILS", "INJECTED", "ENDS"], rows))
+    return 0
+
+
+def fault_clear(client: HyperPodClient, args: argparse.Namespace) -> int:
+    fault = client.clear_fault(args.name, args.fault_id)
+    print(f"{fault['FaultId']} ({fault['Type']}) cleared")
+    return 0
+
+
 # ---------------------------------------------------------------------- parser
 
 
@@ -591,7 +664,7 @@ def _group_flags(parser: argparse.ArgumentParser, *, update: bool) -> None:
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``cluster`` and ``checkpoints`` subcommands of ``hyperpod-sim``."""
+    """The ``cluster``, ``checkpoints`` and ``fault`` subcommands of ``hyperpod-sim``."""
     common = _common()
     cluster = sub.add_parser(
         "cluster",
@@ -694,5 +767,46 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     ckpt.add_argument("name", help="the cluster")
     ckpt.add_argument("--json", action="store_true", help="the listing as JSON")
     ckpt.set_defaults(action=checkpoints)
-    for parser in (cluster, ckpt):
+
+    fault = sub.add_parser(
+        "fault",
+        help="inject, list and clear faults (node and S3 faults)",
+        description="Fault injection, a hyperpod-sim extension (docs/sdk.md#faults). Node faults "
+        "(AgentCrash, NodeLoss, AgentHang) need --instance-id and the local provisioner; S3 faults "
+        "(S3Latency, S3Errors, S3Outage) act on every agent of the cluster.",
+    )
+    faults = fault.add_subparsers(dest="fault_command", required=True, metavar="COMMAND")
+    inject = faults.add_parser("inject", parents=[common], help="inject a fault")
+    inject.add_argument("name", help="the cluster")
+    inject.add_argument(
+        "--type",
+        required=True,
+        choices=["AgentCrash", "NodeLoss", "AgentHang", "S3Latency", "S3Errors", "S3Outage"],
+        help="the fault",
+    )
+    inject.add_argument("--instance-id", metavar="ID", help="the node (node faults)")
+    inject.add_argument(
+        "--duration",
+        type=int,
+        metavar="S",
+        help="DurationSeconds: AgentHang (required), S3 faults (default: until cleared)",
+    )
+    inject.add_argument("--latency-ms", type=int, metavar="MS", help="S3Latency: delay per S3 request")
+    inject.add_argument(
+        "--error-rate", type=float, metavar="RATE", help="S3Errors: share of requests failing"
+    )
+    inject.add_argument(
+        "--error-kind", choices=["Throttle", "InternalError"], help="S3Errors: 503 SlowDown (default) or 500"
+    )
+    inject.add_argument("--json", action="store_true", help="the fault's record as JSON")
+    inject.set_defaults(action=fault_inject)
+    listed = faults.add_parser("list", parents=[common], help="list the faults in force")
+    listed.add_argument("name", help="the cluster")
+    listed.add_argument("--json", action="store_true", help="the faults as JSON")
+    listed.set_defaults(action=fault_list)
+    clear = faults.add_parser("clear", parents=[common], help="end an S3 fault or a hang now")
+    clear.add_argument("name", help="the cluster")
+    clear.add_argument("fault_id", metavar="ID", help="the fault (FaultId)")
+    clear.set_defaults(action=fault_clear)
+    for parser in (cluster, ckpt, fault):
         parser.set_defaults(func=run)

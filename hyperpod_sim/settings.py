@@ -53,6 +53,12 @@ class ProvisioningSettings(BaseModel):
         "killed. Agents drain the steps they have not yet persisted to S3 in that time; meanwhile the "
         "node stays ShuttingDown (and a deleted cluster Deleting).",
     )
+    restart_agents: bool = Field(
+        default=True,
+        description="local mode: restart the crashed agent of a Pending or Running node (same node id, "
+        "same shared memory), as a kubelet restarts a daemon, instead of letting the node fail after "
+        "heartbeat_timeout_s. A node lost by a NodeLoss fault is never restarted.",
+    )
     agent_command: list[str] = Field(
         default_factory=lambda: [sys.executable, "-m", "hyperpod_sim", "agent"],
         description="local mode: the command that starts an agent (flags are appended).",

@@ -58,6 +58,8 @@ class Cluster(Base):
     generation: Mapped[int] = mapped_column(Integer, default=1)
     # The checkpoint policy extension (domain/checkpoint_policy.py), in its wire shape; None: defaults.
     checkpoint_policy: Mapped[dict[str, Any] | None]
+    # Injected faults still in force (domain/faults.py), in their wire shape; None: none ever.
+    faults: Mapped[list[Any] | None]
     # Agent <-> control plane secrets (docs/agent-protocol.md).
     token: Mapped[str] = mapped_column(String(64))
     bootstrap_token: Mapped[str] = mapped_column(String(64))
@@ -119,6 +121,10 @@ class Node(Base):
     # The agent's S3 tier as its last heartbeat reported it (docs/agent-protocol.md); None: no
     # S3 tier, or an agent that does not report one.
     s3_status: Mapped[dict[str, Any] | None]
+    # Restarts of a crashed agent on this node (domain/reconciler.py), for the restart backoff and
+    # the registration deadline of a restarted agent; persisted so a restarted control plane keeps them.
+    agent_restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    agent_restarted_at: Mapped[datetime | None]
 
     cluster: Mapped[Cluster] = relationship(back_populates="nodes")
 

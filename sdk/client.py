@@ -2,7 +2,7 @@
 
 The AWS operations go through boto3's own ``sagemaker`` client pointed at the service, so their
 shapes and validation are botocore's (no second copy here); hyperpod-sim's extensions (checkpoint
-policy, node agent status, checkpoint listings) are plain HTTP on its REST routes. Whichever way a
+policy, node agent status, checkpoint listings, faults) are plain HTTP on its REST routes. Whichever way a
 call went, a refusal comes out as one exception, ClusterError, with the AWS error code. Waiters
 poll with backoff and fail with the cluster's ``FailureMessage``.
 """
@@ -214,6 +214,28 @@ class HyperPodClient:
         [nodes]}, "S3", "Complete"}]}], "Unreachable": [node ids]}``, steps newest first."""
         listing: dict[str, Any] = self._rest("GET", f"/clusters/{quote(name, safe='')}/checkpoints")
         return listing
+
+    # ------------------------------------------------------------------ faults (extension)
+
+    def inject_fault(self, name: str, **spec: Any) -> dict[str, Any]:
+        """Inject a fault: ``Type`` (AgentCrash, NodeLoss, AgentHang, S3Latency, S3Errors,
+        S3Outage) and its members (``InstanceId``, ``DurationSeconds``, ``LatencyMs``,
+        ``ErrorRate``, ``ErrorKind``). The fault's record: ``FaultId``, ``Type``, the members given,
+        ``InjectedAt``, ``EndsAt`` (with a duration) and ``PolicyGeneration``."""
+        fault: dict[str, Any] = self._rest("POST", f"/clusters/{quote(name, safe='')}/faults", json=spec)
+        return fault
+
+    def list_faults(self, name: str) -> list[dict[str, Any]]:
+        """The faults in force, oldest first."""
+        faults: list[dict[str, Any]] = self._rest("GET", f"/clusters/{quote(name, safe='')}/faults")["Faults"]
+        return faults
+
+    def clear_fault(self, name: str, fault_id: str) -> dict[str, Any]:
+        """End an S3 fault or an AgentHang now; the fault's record with ``ClearedAt``."""
+        fault: dict[str, Any] = self._rest(
+            "DELETE", f"/clusters/{quote(name, safe='')}/faults/{quote(fault_id, safe='')}"
+        )
+        return fault
 
     # ------------------------------------------------------------------ waiters
 

@@ -26,13 +26,14 @@ pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 @pytest.fixture
 def agent_settings(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Agents sign with dummy credentials for moto. Failure detection is put far away: a killed
-    agent's node stays Running, as it does until its heartbeat timeout, so the listing asks it."""
+    """Agents sign with dummy credentials for moto. Failure detection is put far away and a killed
+    agent is not restarted: its node stays Running, as it does until its heartbeat timeout, so the
+    listing asks it."""
     for key, value in CREDENTIALS.items():
         monkeypatch.setenv(key, value)
     return {
         "s3": {"endpoint_url": moto_url, "embedded": False},
-        "provisioning": {"heartbeat_timeout_s": 600.0},
+        "provisioning": {"heartbeat_timeout_s": 600.0, "restart_agents": False},
     }
 
 

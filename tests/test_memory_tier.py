@@ -285,6 +285,8 @@ def test_read_from_replica_after_the_owner_is_killed(agent_plane: ControlPlane, 
         assert response.content == blob
 
 
+# The killed agent is not restarted (the control plane would restart it on the same node).
+@pytest.mark.parametrize("agent_settings", [{"provisioning": {"restart_agents": False}}], indirect=True)
 def test_replacement_rebuilds_the_replicas_it_should_hold(agent_plane: ControlPlane, sm: Any) -> None:
     nodes = cluster(sm, agent_plane, "rebuild", 3)
     ids = [n["InstanceId"] for n in nodes]
@@ -323,6 +325,8 @@ def test_replacement_rebuilds_the_replicas_it_should_hold(agent_plane: ControlPl
     assert response.content == data
 
 
+# The killed agent is not restarted (the control plane would restart it on the same node).
+@pytest.mark.parametrize("agent_settings", [{"provisioning": {"restart_agents": False}}], indirect=True)
 def test_restarted_agent_restores_missing_replicas(
     agent_plane: ControlPlane, sm: Any, tmp_path: Path
 ) -> None:
