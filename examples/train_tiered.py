@@ -79,8 +79,23 @@ def launch(args: argparse.Namespace) -> int:
         env = {**os.environ, "HPSIM_AGENT_URL": urls[rank % len(urls)]}
         argv = [sys.executable, __file__, "--rank", str(rank), "--master-port", str(port), *sys.argv[1:]]
         procs.append(subprocess.Popen(argv, env=env))
-    codes = [p.wait() for p in procs]
-    return max(codes, key=abs)
+    # As torchrun does: when a rank dies, stop the others (they would wait in a collective).
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed or all(c == 0 for c in codes):
+            break
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return failed[0] if failed else 0
 
 
 def _free_port() -> int:

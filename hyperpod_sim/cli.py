@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hyperpod_sim import cluster_cli  # argparse only: the SDK is imported when a command runs
 
     cluster_cli.add_parsers(sub)
+    from hyperpod_sim import demo  # argparse only at this point
+
+    demo.add_parser(sub)
     return parser
 
 

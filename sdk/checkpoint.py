@@ -261,6 +261,14 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.stage_seconds = time.perf_counter() - started
         return staged
 
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: staging is complete when ``stage`` returns."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release: the agent client and its mappings are shared per process."""
+        return None
+
     # -- writing
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

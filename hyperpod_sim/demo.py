@@ -1,0 +1,241 @@
+"""``hyperpod-sim demo``: a training job rides out the loss of a node, end to end, in a minute.
+
+It starts its own control plane (``hyperpod-sim serve`` on a free port: SQLite, local agents, the
+embedded S3, all under a temporary directory), creates a 3-node tiered-storage cluster with
+``NodeRecovery: Automatic``, and runs ``examples/train_tiered.py`` with 2 ranks: a checkpoint to
+memory every 2 steps, to S3 every 8. At ``--fail-at`` it injects ``NodeLoss`` on the node of rank 1
+(its agent killed, its shared memory wiped); the job dies with it, as a real one would. The
+control plane replaces the node, the job is started again and resumes from the newest complete
+checkpoint. The report says which tier served the restore, how many steps were lost, how long the
+restore took, and the cluster's events in order.
+
+It needs the repository checkout (the example lives in ``examples/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_tiered.py"
+CLUSTER = "demo"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _say(text: str) -> None:
+    print(f"[demo] {text}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not EXAMPLE.exists():
+        print(f"error: the demo needs {EXAMPLE} (run it from the repository checkout)", file=sys.stderr)
+        return 1
+    from sdk.client import HyperPodClient
+
+    workdir = Path(tempfile.mkdtemp(prefix="hpsim-demo-"))
+    shm_root = Path(f"/dev/shm/hpsim-demo-{os.getpid()}")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "HPSIM_SIMULATION__SHM_ROOT": str(shm_root),
+        "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.5",
+        "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "3",
+        "HPSIM_RECONCILER__INTERVAL_S": "0.5",
+    }
+    log = open(workdir / "serve.log", "wb")  # noqa: SIM115 - closed in finally
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hyperpod_sim",
+            "serve",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(workdir / "data"),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        _wait_healthy(url, serve)
+        _say(f"control plane on {url} (SQLite, local agents, embedded S3) in {workdir}")
+        with HyperPodClient(url) as client:
+            report = _scenario(args, client, url, workdir)
+        _print_report(report)
+        return 0
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+        log.close()
+        _kill_agents(workdir)
+        shutil.rmtree(shm_root, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait_healthy(url: str, serve: subprocess.Popen[bytes]) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if serve.poll() is not None:
+            raise SystemExit(f"the control plane exited with {serve.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("the control plane did not start within 60 s")
+
+
+def _kill_agents(workdir: Path) -> None:
+    """Agents whose command line names this demo's data directory (they outlive a killed serve)."""
+    marker = str(workdir).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+
+
+def _train(
+    args: argparse.Namespace, url: str, steps: int, report: Path, on_line: Any = None
+) -> tuple[int, list[str]]:
+    argv = [
+        sys.executable, str(EXAMPLE), "--endpoint-url", url, "--cluster", CLUSTER, "--ranks", "2",
+        "--nodes", "3", "--steps", str(steps), "--save-every", "2", "--s3-every", "8",
+        "--report", str(report),
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip()
+        lines.append(line)
+        if line and not line.startswith(("[rank", "Traceback", "  ")):
+            print(f"  | {line}", flush=True)
+        if on_line is not None:
+            on_line(line)
+    return proc.wait(), lines
+
+
+def _scenario(args: argparse.Namespace, client: Any, url: str, workdir: Path) -> dict[str, Any]:
+    from sdk.client import ClusterError
+
+    _say(f"run 1: 2 ranks on a 3-node cluster; node loss injected after step {args.fail_at}")
+    victim: dict[str, str] = {}
+
+    def inject(line: str) -> None:
+        match = re.match(r"step\s+(\d+)", line)
+        if victim or match is None or int(match.group(1)) < args.fail_at:
+            return
+        nodes = [n for n in client.list_nodes(CLUSTER) if n["InstanceStatus"]["Status"] == "Running"]
+        urls = client.agent_urls(CLUSTER)
+        node = next(n for n in nodes if n["AgentStatus"]["Endpoint"] == urls[1 % len(urls)])
+        try:
+            client.inject_fault(CLUSTER, Type="NodeLoss", InstanceId=node["InstanceId"])
+        except ClusterError as exc:
+            _say(f"could not inject the fault: {exc}")
+            return
+        victim.update(node=node["InstanceId"], step=match.group(1), at=f"{time.time():.3f}")
+        _say(f"NodeLoss injected on {node['InstanceId']} (rank 1's node) at step {match.group(1)}")
+
+    code, first = _train(args, url, args.steps, workdir / "run1", inject)
+    if not victim:
+        raise SystemExit(f"the job ended (exit {code}) before step {args.fail_at}: nothing was injected")
+    _say(f"run 1 ended with exit status {code}: the job died with its node")
+    started = time.monotonic()
+
+    def replaced() -> bool:
+        nodes = client.list_nodes(CLUSTER)
+        running = [n for n in nodes if n["InstanceStatus"]["Status"] == "Running"]
+        return (
+            victim["node"] not in {n["InstanceId"] for n in running} and len(client.agent_urls(CLUSTER)) == 3
+        )
+
+    while not replaced():
+        if time.monotonic() - started > 120:
+            raise SystemExit("the lost node was not replaced within 120 s")
+        time.sleep(0.5)
+    client.wait_until_in_service(CLUSTER, timeout=120)
+    _say(f"the control plane replaced the node in {time.monotonic() - started:.1f} s; starting the job again")
+    code, _ = _train(args, url, args.steps, workdir / "run2")
+    if code != 0:
+        raise SystemExit(f"run 2 failed with exit status {code}")
+    summaries = [json.loads(Path(f"{workdir / 'run2'}.{r}").read_text()) for r in range(2)]
+    resumed = summaries[0]["resumed"]
+    last_step = max(int(m.group(1)) for line in first if (m := re.match(r"step\s+(\d+)", line)))
+    failed_at = int(victim["step"])
+    return {
+        "victim": victim["node"],
+        "failed_at_step": failed_at,
+        "last_step_trained": last_step,
+        "resumed_step": resumed.get("step"),
+        "steps_lost": last_step - int(resumed.get("step") or 0),
+        "tiers": {f"rank {s['rank']}": s["resumed"].get("tiers") for s in summaries},
+        "restore_seconds": max(float(s["resumed"].get("seconds") or 0) for s in summaries),
+        "events": list(reversed(client.events(CLUSTER))),
+        "s3": client.checkpoints(CLUSTER),
+    }
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    print("\n=== demo report ===", flush=True)
+    print(f"node lost:        {report['victim']} (rank 1's node), after step {report['failed_at_step']}")
+    print(f"last step run:    {report['last_step_trained']}")
+    print(f"resumed from:     step {report['resumed_step']}  ({report['steps_lost']} steps lost)")
+    print(f"served by:        {report['tiers']}")
+    print(f"restore took:     {report['restore_seconds']:.2f} s")
+    for namespace in report["s3"].get("Namespaces", []):
+        on_s3 = [s["Step"] for s in namespace["Steps"] if s["S3"]]
+        print(f"on S3:            {namespace['Namespace']}: steps {on_s3}")
+    print("events:")
+    for event in report["events"]:
+        when = event["EventTime"]
+        stamp = when.strftime("%H:%M:%S") if hasattr(when, "strftime") else str(when)
+        print(f"  {stamp}  {event.get('Description', '')}")
+    sys.stdout.flush()
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="run the node-loss demo end to end",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--steps", type=int, default=24, help="training steps (default 24)")
+    demo.add_argument(
+        "--fail-at", type=int, default=13, help="inject the node loss after this step (default 13)"
+    )
+    demo.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, database)")
+    demo.set_defaults(func=run)

@@ -1,0 +1,34 @@
+"""`hyperpod-sim demo` runs in CI: its own control plane, a 2-rank job, a node lost mid-run, the
+node replaced, the job resumed from the newest complete checkpoint, and the report."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_demo_loses_a_node_and_resumes(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "hyperpod_sim", "demo", "--steps", "16", "--fail-at", "9"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "NodeLoss injected on" in out
+    report = out[out.index("=== demo report ===") :]
+    lost = int(re.search(r"\((\d+) steps lost\)", report).group(1))  # type: ignore[union-attr]
+    # Checkpoints every 2 steps: at most that interval and the save in flight are lost.
+    assert 0 <= lost <= 4, report
+    resumed = int(re.search(r"resumed from:\s+step (\d+)", report).group(1))  # type: ignore[union-attr]
+    assert resumed >= 8
+    # Rank 1's own node is gone: its shard came from the replica on another node.
+    assert "'1': 'replica'" in report or "'1': 'peer'" in report, report
+    assert "is replaced by" in report
+    assert "done: steps" in out
