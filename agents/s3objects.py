@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import time
@@ -254,17 +255,20 @@ class S3Objects:
             if attempt:
                 self.retries_total += 1
                 time.sleep(min(0.5 * 2**attempt, 8.0))
-                body.seek(0)
             try:
-                self._client.upload_fileobj(
-                    body,
-                    bucket,
-                    key,
-                    ExtraArgs={"Metadata": {CHECKSUM_META: checksum}},
-                    Config=self._transfer,
-                )
+                # Each attempt reads its own duplicate of the file: s3transfer closes the file
+                # object it was given when an upload fails, and the next attempt must start over.
+                with open(os.dup(body.fileno()), "rb") as attempt_body:
+                    attempt_body.seek(0)
+                    self._client.upload_fileobj(
+                        attempt_body,
+                        bucket,
+                        key,
+                        ExtraArgs={"Metadata": {CHECKSUM_META: checksum}},
+                        Config=self._transfer,
+                    )
                 head = self.head(bucket, key)
-            except (BotoCoreError, ClientError, S3Unavailable, OSError) as exc:
+            except (BotoCoreError, ClientError, S3Unavailable, OSError, ValueError) as exc:
                 last = exc
                 log.info("upload of %s failed (attempt %d): %s", key, attempt + 1, exc)
                 continue

@@ -208,23 +208,27 @@ class S3Tier:
             queue.last_started = time.monotonic()
             try:
                 await self.persist_step(name, step)
-            except (PersistFailed, S3Unavailable) as exc:
+            except Exception as exc:  # S3 down, a peer gone, or our bug: retried all the same
                 self.counters.failures_total += 1
                 queue.failures += 1
-                self.counters.last_error = str(exc)[:500]
-                log.warning("persist of step %d of %r failed; retrying in %.1f s: %s", step, name, delay, exc)
+                self.counters.last_error = f"{type(exc).__name__}: {exc}"[:500]
+                expected = isinstance(exc, PersistFailed | S3Unavailable)
+                log.log(
+                    logging.WARNING if expected else logging.ERROR,
+                    "persist of step %d of %r failed; retrying in %.1f s: %s",
+                    step,
+                    name,
+                    delay,
+                    exc,
+                    exc_info=not expected,
+                )
                 if queue.wanted == step:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, PERSIST_RETRY_MAX_S)
-                    if queue.wanted == step and not await self._still_complete(name, step):
+                    if queue.wanted == step and await self._still_complete(name, step) is False:
                         log.warning("step %d of %r is no longer complete in memory; giving it up", step, name)
                         self._forget_due(name, up_to=step)
                         queue.wanted = None
-                continue
-            except Exception:
-                log.exception("persist of step %d of %r failed unexpectedly", step, name)
-                self.counters.failures_total += 1
-                queue.wanted = None if queue.wanted == step else queue.wanted
                 continue
             delay = 0.5
             if queue.wanted == step:
@@ -245,11 +249,13 @@ class S3Tier:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._tier.report_event("Info", message), 5.0)
 
-    async def _still_complete(self, name: str, step: int) -> bool:
+    async def _still_complete(self, name: str, step: int) -> bool | None:
+        """Whether the step is still complete in memory; None if that cannot be told now (a
+        persist is given up only on a definite no)."""
         try:
             return step in await self._tier.complete_steps(name)
         except Exception:
-            return False
+            return None
 
     def _forget_due(self, name: str, *, up_to: int) -> None:
         for due in [d for d in self.counters.due if d[0] == name and d[1] <= up_to]:
