@@ -401,20 +401,7 @@ class MemoryTier:
         size = request.content_length
         if size is None:
             raise TierError(411, "LengthRequired", "a shard upload needs a Content-Length")
-        protect: set[tuple[str, int]] = set()
-        if self.store.in_use_bytes + size > self.store.budget_bytes:
-            protect = await self._protected_steps()
-        try:
-            reservation = self.store.reserve(key, size, protect=lambda: protect)
-        except BudgetExceeded as exc:
-            raise TierError(
-                507,
-                "InsufficientStorage",
-                str(exc),
-                needed=exc.needed,
-                budget=exc.budget,
-                in_use=exc.in_use,
-            ) from exc
+        reservation = await self._reserve(key, size)
         try:
             await request.readinto(reservation.buffer())
             info = await asyncio.to_thread(reservation.commit, checksum=checksum, replica_of=replica_of)
@@ -465,9 +452,15 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ same-host fast path
 
-    def _reserve(self, key: ShardKey, size: int, protect: set[tuple[str, int]]) -> Reservation:
+    async def _reserve(self, key: ShardKey, size: int) -> Reservation:
+        """Room for a shard (HTTP upload, replica or same-host write), evicting older steps but
+        never a namespace's newest complete one; 507 with the numbers when it does not fit. The
+        reservation allocates the file's memory, so it runs in a worker thread."""
+        protect: set[tuple[str, int]] = set()
+        if self.store.in_use_bytes + size > self.store.budget_bytes:
+            protect = await self._protected_steps()
         try:
-            return self.store.reserve(key, size, protect=lambda: protect)
+            return await asyncio.to_thread(self.store.reserve, key, size, protect=lambda: protect)
         except BudgetExceeded as exc:
             raise TierError(
                 507,
@@ -489,10 +482,7 @@ class MemoryTier:
                 raise ValueError("negative")
         except (KeyError, ValueError) as exc:
             raise TierError(400, "InvalidSize", "the query parameter size is a byte count") from exc
-        protect: set[tuple[str, int]] = set()
-        if self.store.in_use_bytes + size > self.store.budget_bytes:
-            protect = await self._protected_steps()
-        reservation = await asyncio.to_thread(self._reserve, key, size, protect)
+        reservation = await self._reserve(key, size)
         token = uuid.uuid4().hex
         self._fast[token] = _FastWrite(reservation, namespace, time.monotonic() + self.fast_timeout_s)
         if len(self._fast) + len(self._leases) == 1:
