@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 
-from agents.httpserver import Request, Response, error_response, json_response
+from agents.httpserver import DropConnection, Request, Response, error_response, json_response
 from agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier_metrics
+from agents.partition import Partition
 from agents.state import AgentState, ApplyStatus, AuthStatus
 from agents.tier import MemoryTier
 
@@ -14,9 +15,12 @@ _BEARER = (("WWW-Authenticate", 'Bearer realm="hyperpod-sim-agent"'),)
 
 
 class AgentApp:
-    def __init__(self, *, state: AgentState, tier: MemoryTier | None = None) -> None:
+    def __init__(
+        self, *, state: AgentState, tier: MemoryTier | None = None, partition: Partition | None = None
+    ) -> None:
         self._state = state
         self._tier = tier
+        self._partition = partition
         self._routes: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {
             "/health": {"GET": self.health},
             "/v1/policy": {"GET": self.get_policy, "PUT": self.put_policy},
@@ -24,6 +28,9 @@ class AgentApp:
         }
 
     async def __call__(self, request: Request) -> Response:
+        if self._partition is not None and self._partition.blocks(request.headers.get("user-agent", "")):
+            # The control plane is cut off (a NetworkPartition): the connection closes unanswered.
+            raise DropConnection(f"network partition (fault {self._partition.fault_id})")
         if self._tier is not None and request.path.startswith("/v1/"):
             answer = await self._tier.handle(request)
             if answer is not None:

@@ -15,6 +15,8 @@ from urllib.parse import quote
 
 import httpx
 
+from agents.partition import Partition
+
 
 class Failure(enum.Enum):
     TEMPORARY = "temporary"  # connect error, timeout, 5xx, 429: retry with backoff
@@ -63,6 +65,7 @@ class ControlPlaneClient:
         cluster: str,
         timeout_s: float,
         transport: httpx.AsyncBaseTransport | None = None,
+        partition: Partition | None = None,
     ) -> None:
         # No TLS context unless the control plane is https (loading CA certificates costs memory), and
         # no proxies from the environment: the control plane is addressed directly.
@@ -72,8 +75,18 @@ class ControlPlaneClient:
             trust_env=False,
             verify=base_url.startswith("https://"),
             transport=transport,
+            event_hooks={"request": [self._check_partition]},
         )
+        self._partition = partition
         self._prefix = f"/agent/v1/clusters/{quote(cluster, safe='')}"
+
+    async def _check_partition(self, request: httpx.Request) -> None:
+        """Behind a NetworkPartition (agents/partition.py) no call leaves this node."""
+        if self._partition is not None and self._partition.active():
+            raise httpx.ConnectError(
+                f"network partition (fault {self._partition.fault_id}): the control plane is unreachable",
+                request=request,
+            )
 
     async def __aenter__(self) -> ControlPlaneClient:
         return self

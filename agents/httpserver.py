@@ -130,6 +130,10 @@ class BadRequest(Exception):
         return error_response(self.status, code, self.message)
 
 
+class DropConnection(Exception):
+    """Raised by a handler to close the connection without answering (a simulated network fault)."""
+
+
 class ClientDisconnected(ConnectionError):
     """The client closed or reset the connection before the end of the request body."""
 
@@ -556,6 +560,9 @@ class _Connection(asyncio.BufferedProtocol):
         """Run the handler and send its response; whether the connection can serve another request."""
         try:
             response = await self._server._handler(request)
+        except DropConnection as exc:
+            log.info("%s %s: connection closed unanswered: %s", request.method, request.path, exc)
+            return False
         except BadRequest as exc:
             request.keep_alive = False
             response = exc.response()

@@ -23,6 +23,7 @@ from agents.config import AgentSettings
 from agents.control_plane import ControlPlaneClient
 from agents.httpserver import HttpServer
 from agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
+from agents.partition import Partition
 from agents.state import AgentState
 from agents.store import ShardStore
 from agents.tier import MemoryTier
@@ -85,8 +86,12 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
     )
     port: int = sock.getsockname()[1]
     shm_dir = settings.shm_dir or Path("/dev/shm/hpsim") / (settings.node_id or f"{settings.cluster}-{port}")
+    partition = Partition(settings.data_dir)
     client = ControlPlaneClient(
-        base_url=settings.control_plane, cluster=settings.cluster, timeout_s=settings.request_timeout_s
+        base_url=settings.control_plane,
+        cluster=settings.cluster,
+        timeout_s=settings.request_timeout_s,
+        partition=partition,
     )
     tier = MemoryTier(
         state=state,
@@ -96,7 +101,7 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
         s3_endpoint_override=settings.s3_endpoint_url,
         drain_timeout_s=settings.drain_timeout_s,
     )
-    server = HttpServer(handler=AgentApp(state=state, tier=tier), sock=sock)
+    server = HttpServer(handler=AgentApp(state=state, tier=tier, partition=partition), sock=sock)
     await server.start()
     endpoint = settings.endpoint(port)
     print(

@@ -281,9 +281,17 @@ class MemoryTier:
         return found
 
     async def members(self, *, refresh: bool = False) -> dict[str, str]:
-        """Other agents of the cluster: node id -> endpoint."""
+        """Other agents of the cluster: node id -> endpoint. When the control plane cannot be
+        reached (it is down, or this node is partitioned from it), the last list known: peers are
+        still reachable, and reads, replication and S3 persistence go on."""
         if refresh or not self._members:
-            response = await self._cp_call("GET", "/members")
+            try:
+                response = await self._cp_call("GET", "/members")
+            except TierError:
+                if not self._members:
+                    raise
+                log.info("the control plane did not answer; using the last known members")
+                return dict(self._members)
             if response.status_code == 200:
                 self._members = {
                     m["node_id"]: m["endpoint"]

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from sqlalchemy.exc import OperationalError
 
 from api.deps import ServicesDep
 from domain.errors import AgentProtocolError
@@ -57,6 +58,14 @@ async def _call(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> JSONRespons
         return JSONResponse(await run_in_threadpool(lambda: fn(**kwargs)))
     except AgentProtocolError as exc:
         return JSONResponse(exc.to_body(), status_code=exc.status)
+    except OperationalError as exc:  # the database is down: the agent retries later
+        return JSONResponse(
+            {
+                "error": "ServiceUnavailable",
+                "message": f"the control plane's database is unavailable: {exc.orig}",
+            },
+            status_code=503,
+        )
 
 
 @router.post(

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import agent_routes, rest
 from api.awsjson import AwsJsonEntry
-from api.deps import Services, ServicesDep, error_response
+from api.deps import Services, ServicesDep, as_aws_error, error_response
 from api.operations import OPERATIONS
 from domain.agents import AgentConfig, AgentService
 from domain.checkpoint_policy import S3Endpoint
@@ -187,11 +189,15 @@ def create_app(
         "/health",
         tags=["service"],
         summary="Liveness and database check",
-        description='200 with `{"status": "ok"}` when the service runs and its database answers.',
+        description='200 with `{"status": "ok"}` when the service runs and its database answers; 503 '
+        "ServiceUnavailable (AWS error shape) when the database does not.",
     )
-    def health(services: ServicesDep) -> dict[str, str]:
-        with services.db.read() as session:
-            session.connection().exec_driver_sql("SELECT 1")
+    def health(services: ServicesDep) -> Any:
+        try:
+            with services.db.read() as session:
+                session.connection().exec_driver_sql("SELECT 1")
+        except OperationalError as exc:
+            return error_response(as_aws_error(exc), 503, media_type="application/json")
         return {"status": "ok"}
 
     app.include_router(rest.router)

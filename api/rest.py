@@ -27,6 +27,7 @@ from domain.errors import (
     ResourceNotFound,
     SerializationException,
 )
+from domain.faults import CONTROL_PLANE_FAULTS, FAULT_TYPES, MAX_OUTAGE_S
 
 router = APIRouter(tags=["clusters"])
 
@@ -474,6 +475,10 @@ FAULT_EXAMPLES: dict[str, dict[str, Any]] = {
         "summary": "Stop a node's agent (SIGSTOP) for 30 s",
         "value": {"Type": "AgentHang", "InstanceId": "i-0123456789abcdef0", "DurationSeconds": 30},
     },
+    "NetworkPartition": {
+        "summary": "Cut a node off from the control plane for 20 s (trainers and peers still reach it)",
+        "value": {"Type": "NetworkPartition", "InstanceId": "i-0123456789abcdef0", "DurationSeconds": 20},
+    },
     "S3Latency": {
         "summary": "Delay every S3 request of the agents by 500 ms for 5 minutes",
         "value": {"Type": "S3Latency", "LatencyMs": 500, "DurationSeconds": 300},
@@ -503,8 +508,9 @@ FAULT_SCHEMA: dict[str, Any] = {
     "properties": {
         "Type": {
             "type": "string",
-            "enum": ["AgentCrash", "NodeLoss", "AgentHang", "S3Latency", "S3Errors", "S3Outage"],
-            "description": "Node faults (AgentCrash, NodeLoss, AgentHang) need InstanceId and the local "
+            "enum": list(FAULT_TYPES),
+            "description": "Node faults (AgentCrash, NodeLoss, AgentHang, NetworkPartition) need "
+            "InstanceId and the local "
             "provisioner; S3 faults act on every agent of the cluster, one at a time.",
         },
         "InstanceId": {"type": "string", "maxLength": 19, "description": "The node (node faults only)."},
@@ -512,7 +518,7 @@ FAULT_SCHEMA: dict[str, Any] = {
             "type": "integer",
             "minimum": 1,
             "maximum": 86400,
-            "description": "AgentHang (required) and S3 faults (optional: until cleared).",
+            "description": "AgentHang and NetworkPartition (required), S3 faults (optional: until cleared).",
         },
         "LatencyMs": {
             "type": "integer",
@@ -549,7 +555,11 @@ _FAULT_ERRORS: dict[int | str, dict[str, Any]] = {
     "kills it (SIGKILL; the control plane restarts it on the same node, which keeps its id and "
     "shared memory), `NodeLoss` kills it and wipes the node's shared memory (the node fails after "
     "the heartbeat timeout and, with NodeRecovery Automatic, is replaced), `AgentHang` stops it "
-    "(SIGSTOP) for `DurationSeconds` (past the heartbeat timeout the node fails as if lost). S3 "
+    "(SIGSTOP) for `DurationSeconds` (past the heartbeat timeout the node fails as if lost), "
+    "`NetworkPartition` cuts the node and the control plane off from each other for "
+    "`DurationSeconds` (trainers, peer agents and S3 still reach it, so checkpointing goes on; the "
+    "control plane fails the node after the heartbeat timeout, and with NodeRecovery None it "
+    "recovers when the partition heals). S3 "
     "faults act on the S3 requests of every agent of the cluster, carried in the node policy (a new "
     "policy generation, pushed without changing the cluster's status): `S3Latency` delays each "
     "request, `S3Errors` answers a share of them 503 SlowDown or 500 InternalError, `S3Outage` fails "
@@ -609,7 +619,8 @@ async def list_faults(name: str, services: ServicesDep) -> dict[str, Any]:
     "/clusters/{name}/faults/{fault_id}",
     summary="End a fault now (hyperpod-sim extension)",
     description="Ends an S3 fault (a new policy generation without it is pushed to the agents) or an "
-    "AgentHang (SIGCONT) before its time. A NodeLoss cannot be undone (ValidationException); an "
+    "AgentHang (SIGCONT) or a NetworkPartition (healed) before its time. A NodeLoss cannot be "
+    "undone (ValidationException); an "
     "unknown or already ended fault is ResourceNotFound.",
     tags=["faults"],
     responses={
@@ -627,6 +638,97 @@ async def clear_fault(name: str, fault_id: str, services: ServicesDep) -> dict[s
     except Exception as exc:
         raise as_aws_error(exc) from exc
     return {"ClusterName": cluster.name, **fault}
+
+
+CONTROL_PLANE_FAULT_ANSWER = {
+    "FaultId": "f-9b1c07e24a6d3f85",
+    "Type": "DatabaseOutage",
+    "DurationSeconds": 10,
+    "InjectedAt": 1764460800.0,
+    "EndsAt": 1764460810.0,
+}
+
+
+@router.post(
+    "/faults",
+    status_code=201,
+    summary="Make this control plane's database unreachable (hyperpod-sim extension)",
+    description="`DatabaseOutage` for `DurationSeconds` (1..3600): every statement and commit of this "
+    "control plane process fails as if the database server had gone away. Meanwhile the AWS JSON "
+    "entry and the REST routes answer 503 `ServiceUnavailable` in the AWS shape (botocore retries "
+    "it), agent calls answer 503 (agents retry), a transaction it interrupts is rolled back whole, "
+    "and the reconciler's passes fail and are retried. When it ends, by time or by `DELETE`, every "
+    "cluster's events record it, and nodes get a heartbeat timeout's grace from the end. The fault "
+    "lives in this process only (the database cannot hold it); this route and the two below "
+    "answer during the outage. Its injection is recorded in every cluster's events.",
+    tags=["faults"],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["Type", "DurationSeconds"],
+                        "properties": {
+                            "Type": {"type": "string", "enum": list(CONTROL_PLANE_FAULTS)},
+                            "DurationSeconds": {"type": "integer", "minimum": 1, "maximum": MAX_OUTAGE_S},
+                        },
+                    },
+                    "example": {"Type": "DatabaseOutage", "DurationSeconds": 10},
+                }
+            },
+        }
+    },
+    responses={
+        201: {"content": {"application/json": {"example": CONTROL_PLANE_FAULT_ANSWER}}},
+        400: _FAULT_ERRORS[400],
+        409: {"description": "ConflictException: an outage is in force already"},
+    },
+)
+async def inject_control_plane_fault(request: Request, services: ServicesDep) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError as exc:
+        raise SerializationException("The request body is not valid JSON.") from exc
+    try:
+        return await run_in_threadpool(lambda: services.faults.inject_control_plane_fault(body=body))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+
+
+@router.get(
+    "/faults",
+    summary="This control plane's faults in force (hyperpod-sim extension)",
+    description="The DatabaseOutage in force, if any.",
+    tags=["faults"],
+    responses={200: {"content": {"application/json": {"example": {"Faults": [CONTROL_PLANE_FAULT_ANSWER]}}}}},
+)
+async def list_control_plane_faults(services: ServicesDep) -> dict[str, Any]:
+    return {"Faults": services.faults.list_control_plane_faults()}
+
+
+@router.delete(
+    "/faults/{fault_id}",
+    summary="End this control plane's fault now (hyperpod-sim extension)",
+    description="Ends a DatabaseOutage before its time; an unknown or ended fault is ResourceNotFound.",
+    tags=["faults"],
+    responses={
+        200: {
+            "content": {
+                "application/json": {"example": {**CONTROL_PLANE_FAULT_ANSWER, "ClearedAt": 1764460805.0}}
+            }
+        },
+        404: _FAULT_ERRORS[404],
+    },
+)
+async def clear_control_plane_fault(fault_id: str, services: ServicesDep) -> dict[str, Any]:
+    try:
+        return await run_in_threadpool(lambda: services.faults.clear_control_plane_fault(fault_id=fault_id))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
 
 
 def _aws_json_entry_doc() -> dict[str, Any]:

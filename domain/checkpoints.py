@@ -21,6 +21,7 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
+from agents.partition import CONTROL_PLANE_AGENT
 from domain.checkpoint_policy import CheckpointPolicy
 from domain.errors import ResourceNotFound
 from domain.lifecycle import NodeStatus
@@ -148,6 +149,7 @@ class CheckpointCatalog:
             timeout=self.config.agent_timeout_s,
             trust_env=False,
             limits=httpx.Limits(max_connections=self.config.workers),
+            headers={"User-Agent": CONTROL_PLANE_AGENT},
         )
         self._pool = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="checkpoints")
 

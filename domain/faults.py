@@ -15,12 +15,27 @@ processes:
   and answers nothing; past the heartbeat timeout the control plane fails the node, and replaces
   it with ``NodeRecovery: Automatic`` (the replaced node's agent is stopped) or, with ``None``,
   sees it recover when the agent heartbeats again.
+- ``NetworkPartition``: the node and the control plane cannot reach each other for
+  ``DurationSeconds`` (a firewall rule on the node, agents/partition.py); trainers, peer agents and
+  S3 still reach it, so checkpointing goes on. The control plane cannot tell this from a dead node:
+  past the heartbeat timeout it fails the node and, with ``Automatic``, replaces it; with ``None``
+  the node recovers when the partition heals and the agent's heartbeats get through again.
 
 S3 faults act on every agent of the cluster: they travel in the node policy (``faults.s3``), so a
 change bumps the policy generation and is pushed like any other; the agents apply them in their S3
 client (agents/s3objects.py). One S3 fault at a time per cluster. ``S3Latency`` delays every
 request, ``S3Errors`` answers a share of them 503 SlowDown (``Throttle``) or 500 InternalError,
 ``S3Outage`` fails them all. Without ``DurationSeconds`` they last until cleared.
+
+The control plane's own fault, for testing what clients and agents see when it falters, is
+service-wide (REST ``/faults``): ``DatabaseOutage`` makes this process's database unreachable for
+``DurationSeconds`` (models/db.py: every statement and commit fails as if the server had gone). The
+API answers 503 ServiceUnavailable in the AWS shape (botocore retries it), a transaction it
+interrupts is rolled back whole, the reconciler's passes fail and are retried, and agents keep
+heartbeating. When it ends, the reconciler records the end in every cluster's events and gives
+nodes a heartbeat timeout's grace counted from the outage's end, so that the heartbeats the outage
+swallowed do not fail them. It is held in this process only (the database cannot hold it), and
+affects only this control plane.
 
 Faults in force are stored with the cluster (its ``faults`` column), with their end time, so a
 restarted control plane still ends them: the reconciler calls ``end_due_faults`` on every pass.
@@ -45,10 +60,13 @@ from domain.events import Level
 from domain.lifecycle import ClusterStatus, NodeStatus
 from domain.provisioning import Provisioner
 from models import Cluster, Database, Node
+from models.db import Outage
 
-NODE_FAULTS = ("AgentCrash", "NodeLoss", "AgentHang")
+NODE_FAULTS = ("AgentCrash", "NodeLoss", "AgentHang", "NetworkPartition")
 S3_FAULTS = ("S3Latency", "S3Errors", "S3Outage")
 FAULT_TYPES = (*NODE_FAULTS, *S3_FAULTS)
+CONTROL_PLANE_FAULTS = ("DatabaseOutage",)
+MAX_OUTAGE_S = 3_600
 ERROR_KINDS = ("Throttle", "InternalError")
 MEMBERS = ("Type", "InstanceId", "DurationSeconds", "LatencyMs", "ErrorRate", "ErrorKind")
 MAX_DURATION_S = 86_400
@@ -58,6 +76,7 @@ _TAKES: dict[str, tuple[str, ...]] = {
     "AgentCrash": ("InstanceId",),
     "NodeLoss": ("InstanceId",),
     "AgentHang": ("InstanceId", "DurationSeconds"),
+    "NetworkPartition": ("InstanceId", "DurationSeconds"),
     "S3Latency": ("LatencyMs", "DurationSeconds"),
     "S3Errors": ("ErrorRate", "ErrorKind", "DurationSeconds"),
     "S3Outage": ("DurationSeconds",),
@@ -66,6 +85,7 @@ _REQUIRES: dict[str, tuple[str, ...]] = {
     "AgentCrash": ("InstanceId",),
     "NodeLoss": ("InstanceId",),
     "AgentHang": ("InstanceId", "DurationSeconds"),
+    "NetworkPartition": ("InstanceId", "DurationSeconds"),
     "S3Latency": ("LatencyMs",),
     "S3Errors": ("ErrorRate",),
     "S3Outage": (),
@@ -89,6 +109,32 @@ class FaultSpec:
     latency_ms: int | None = None
     error_rate: float | None = None
     error_kind: str | None = None
+
+
+def parse_control_plane_fault(body: object) -> FaultSpec:
+    """Check a control-plane fault: ``{"Type": "DatabaseOutage", "DurationSeconds": 1..3600}``."""
+    if not isinstance(body, dict):
+        raise validation_error(["The fault must be a JSON object"])
+    allowed = ("Type", "DurationSeconds")
+    errors = [
+        f"Unknown member '{key}': allowed members are {', '.join(allowed)}"
+        for key in body
+        if key not in allowed
+    ]
+    kind = body.get("Type")
+    if kind is None:
+        errors.append("Value null at 'type' failed to satisfy constraint: Member must not be null")
+    elif kind not in CONTROL_PLANE_FAULTS:
+        errors.append(
+            f"Value '{kind}' at 'type' failed to satisfy constraint: Member must satisfy enum value set: "
+            f"[{', '.join(CONTROL_PLANE_FAULTS)}]"
+        )
+    if body.get("DurationSeconds") is None:
+        errors.append("Value null at 'durationSeconds' failed to satisfy constraint: Member must not be null")
+    duration = _integer(body, "DurationSeconds", errors, low=1, high=MAX_OUTAGE_S)
+    if errors or not isinstance(kind, str):
+        raise validation_error(errors)
+    return FaultSpec(type=kind, duration_s=duration)
 
 
 def parse_fault(body: object) -> FaultSpec:
@@ -240,6 +286,17 @@ def _node(cluster: Cluster, node_id: str | None) -> Node | None:
     return next((n for n in cluster.nodes if n.id == node_id), None)
 
 
+# Node faults that last a while and are undone when they end.
+_UNDONE = ("AgentHang", "NetworkPartition")
+
+
+def _undo(provisioner: Provisioner, node: Node, fault: dict[str, Any]) -> None:
+    if fault["Type"] == "AgentHang":
+        provisioner.resume_agent(node)
+    elif fault["Type"] == "NetworkPartition":
+        provisioner.heal_agent(node)
+
+
 def end_due_faults(
     session: Session, *, ids: Ids, now: datetime, cluster: Cluster, provisioner: Provisioner
 ) -> tuple[bool, datetime | None]:
@@ -254,12 +311,15 @@ def end_due_faults(
         if fault["Type"] == "NodeLoss" and (node is None or node.status not in LIVE):
             state = "gone" if node is None else node.status
             _end(session, ids=ids, now=now, cluster=cluster, fault=fault, reason=f"the node is {state}")
-        elif fault["Type"] == "AgentHang" and (node is None or node.status == NodeStatus.SHUTTING_DOWN):
-            # A replaced or deleted node's agent was sent SIGTERM and SIGCONT by its provisioner.
+        elif fault["Type"] in _UNDONE and (node is None or node.status == NodeStatus.SHUTTING_DOWN):
+            # A replaced or deleted node's agent was sent SIGTERM and SIGCONT by its provisioner; a
+            # partition is healed so that its agent can say goodbye to the control plane.
+            if node is not None:
+                _undo(provisioner, node, fault)
             _end(session, ids=ids, now=now, cluster=cluster, fault=fault, reason="the node is shutting down")
         elif ends_at is not None and ends_at <= epoch:
-            if fault["Type"] == "AgentHang" and node is not None:
-                provisioner.resume_agent(node)
+            if node is not None:
+                _undo(provisioner, node, fault)
             reason = f"its {fault['DurationSeconds']} s passed"
             _end(session, ids=ids, now=now, cluster=cluster, fault=fault, reason=reason)
         else:
@@ -342,7 +402,7 @@ class FaultService:
             node = None
             if node_fault:
                 node = self._live_node(cluster, spec, current)
-                detail = self._act_on_node(node, spec.type)
+                detail = self._act_on_node(node, fault)
             else:
                 running = next((f for f in current if f["Type"] in S3_FAULTS), None)
                 if running is not None:
@@ -383,9 +443,17 @@ class FaultService:
             )
         return node
 
-    def _act_on_node(self, node: Node, kind: str) -> str:
+    def _act_on_node(self, node: Node, fault: dict[str, Any]) -> str:
         """Signal the node's agent (inside the transaction that records the fault: the reconciler,
         which holds the same lock, never sees the agent gone without the fault)."""
+        kind = fault["Type"]
+        if kind == "NetworkPartition":
+            pids = self.provisioner.partition_agent(node, fault_id=fault["FaultId"], until=fault["EndsAt"])
+            agent = f"agent pid {', '.join(map(str, pids))}" if pids else "the node's agent (restarting)"
+            return (
+                f"{agent} and the control plane can no longer reach each other; trainers and peer "
+                "agents still can"
+            )
         if kind == "AgentHang":
             pids = self.provisioner.pause_agent(node)
             action = "stopped with SIGSTOP"
@@ -424,11 +492,91 @@ class FaultService:
                     f"Fault {fault_id} (NodeLoss) cannot be cleared: the node's memory is gone. It ends when "
                     "the control plane has failed the node."
                 )
-            if fault["Type"] == "AgentHang":
-                node = _node(cluster, fault["InstanceId"])
-                if node is not None:
-                    self.provisioner.resume_agent(node)
+            node = _node(cluster, fault.get("InstanceId"))
+            if node is not None:
+                _undo(self.provisioner, node, fault)
             _end(session, ids=self.ids, now=now, cluster=cluster, fault=fault, reason="cleared")
             answer = {**fault, "ClearedAt": now.timestamp(), "PolicyGeneration": cluster.generation}
         self.on_change()
         return cluster, answer
+
+    # ------------------------------------------------------------------ the control plane's own
+
+    def inject_control_plane_fault(self, *, body: object) -> dict[str, Any]:
+        """Start a DatabaseOutage now (its injection recorded in every cluster's events first,
+        while the database still answers)."""
+        spec = parse_control_plane_fault(body)
+        assert spec.duration_s is not None
+        running = self._outage_record()
+        if running is not None:
+            raise ConflictException(
+                f"Fault {running['FaultId']} ({running['Type']}) is in force; one at a time: clear it first."
+            )
+        now = self.clock.now()
+        fault_id = self.ids.fault_id()
+        description = (
+            f"Fault {fault_id} injected: DatabaseOutage (every database request fails, for "
+            f"{spec.duration_s} s); the control plane answers 503 ServiceUnavailable until it ends."
+        )
+        with self.db.write() as session:
+            for cluster in session.scalars(select(Cluster)):
+                events.record(
+                    session, ids=self.ids, now=now, cluster=cluster, level=Level.WARN, description=description
+                )
+        outage = self.db.begin_outage(fault_id=fault_id, duration_s=spec.duration_s)
+        return _outage_wire(outage)
+
+    def _outage_record(self) -> dict[str, Any] | None:
+        outage = self.db.outage()
+        return _outage_wire(outage) if outage is not None and outage.ended_at is None else None
+
+    def list_control_plane_faults(self) -> list[dict[str, Any]]:
+        """The control-plane faults in force (no database needed)."""
+        record = self._outage_record()
+        return [record] if record is not None else []
+
+    def clear_control_plane_fault(self, *, fault_id: str) -> dict[str, Any]:
+        """End a DatabaseOutage now; its end is recorded in every cluster's events."""
+        current = self._outage_record()
+        if current is None or current["FaultId"] != fault_id:
+            raise ResourceNotFound(f"Fault '{fault_id}' is not in force in this control plane.")
+        outage = self.db.end_outage(fault_id=fault_id)
+        if outage is None:  # it ended by itself meanwhile, and was reported
+            raise ResourceNotFound(f"Fault '{fault_id}' is not in force in this control plane.")
+        _report_outage(db=self.db, clock=self.clock, ids=self.ids, outage=outage, reason="cleared")
+        self.on_change()
+        return {**_outage_wire(outage), "ClearedAt": outage.ended_at}
+
+
+def report_ended_outage(*, db: Database, clock: Clock, ids: Ids) -> bool:
+    """The reconciler's part: once a DatabaseOutage has run its time and the database answers
+    again, record its end in every cluster's events and forget it. Whether one was reported."""
+    outage = db.outage()
+    if outage is None or outage.ended_at is None:
+        return False
+    _report_outage(db=db, clock=clock, ids=ids, outage=outage, reason=f"its {outage.duration_s:g} s passed")
+    db.end_outage(fault_id=outage.fault_id)
+    return True
+
+
+def _report_outage(*, db: Database, clock: Clock, ids: Ids, outage: Outage, reason: str) -> None:
+    now = clock.now()
+    refused = "1 request" if outage.refused == 1 else f"{outage.refused} requests"
+    description = (
+        f"Fault {outage.fault_id} ended: DatabaseOutage (every database request fails, for "
+        f"{outage.duration_s:g} s); {reason}. {refused} to the database failed meanwhile; "
+        "reconciliation resumed."
+    )
+    with db.write() as session:
+        for cluster in session.scalars(select(Cluster)):
+            events.record(session, ids=ids, now=now, cluster=cluster, description=description)
+
+
+def _outage_wire(outage: Outage) -> dict[str, Any]:
+    return {
+        "FaultId": outage.fault_id,
+        "Type": "DatabaseOutage",
+        "DurationSeconds": int(outage.duration_s),
+        "InjectedAt": outage.started_at,
+        "EndsAt": outage.started_at + outage.duration_s,
+    }

@@ -31,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
+from agents import partition
 from models import Cluster, Node
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,13 @@ class Provisioner(Protocol):
     def resume_agent(self, node: Node) -> list[int]:
         """SIGCONT the node's agent. The pids."""
 
+    def partition_agent(self, node: Node, *, fault_id: str, until: float) -> list[int]:
+        """Cut the node off from the control plane until ``until`` (epoch seconds) or until healed
+        (agents/partition.py); trainers and peers still reach it. The pids of its agent."""
+
+    def heal_agent(self, node: Node) -> bool:
+        """End the node's partition; whether it had one."""
+
 
 class _NoProcesses:
     """Provisioners that own no agent processes: nothing to restart, no node faults."""
@@ -92,6 +100,12 @@ class _NoProcesses:
         raise NotImplementedError("this provisioner owns no agent processes")
 
     def resume_agent(self, node: Node) -> list[int]:
+        raise NotImplementedError("this provisioner owns no agent processes")
+
+    def partition_agent(self, node: Node, *, fault_id: str, until: float) -> list[int]:
+        raise NotImplementedError("this provisioner owns no agent processes")
+
+    def heal_agent(self, node: Node) -> bool:
         raise NotImplementedError("this provisioner owns no agent processes")
 
 
@@ -211,10 +225,13 @@ class LocalProvisioner:
     def shm_dir(self, node_id: str) -> Path:
         return self.shm_root / node_id
 
+    def agent_dir(self, node_id: str) -> Path:
+        return self.data_dir / "agents" / node_id
+
     def launch(self, cluster: Cluster, node: Node) -> None:
         if find_agent_pids(node.id):
             return  # already running (a control plane restarted while its agents lived on)
-        agent_dir = self.data_dir / "agents" / node.id
+        agent_dir = self.agent_dir(node.id)
         agent_dir.mkdir(parents=True, exist_ok=True)
         argv = [
             *self.command,
@@ -280,6 +297,13 @@ class LocalProvisioner:
 
     def resume_agent(self, node: Node) -> list[int]:
         return _signal_all(find_agent_pids(node.id), signal.SIGCONT)
+
+    def partition_agent(self, node: Node, *, fault_id: str, until: float) -> list[int]:
+        partition.write_rule(self.agent_dir(node.id), fault_id=fault_id, until=until)
+        return find_agent_pids(node.id)
+
+    def heal_agent(self, node: Node) -> bool:
+        return partition.remove_rule(self.agent_dir(node.id))
 
     def reap(self) -> None:
         for pid, process in list(self._children.items()):

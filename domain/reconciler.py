@@ -17,13 +17,15 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
 from sqlalchemy import delete, or_, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
+from agents.partition import CONTROL_PLANE_AGENT
 from domain import events, faults
 from domain.checkpoint_policy import S3Endpoint
 from domain.clock import Clock, Ids
@@ -145,6 +147,8 @@ class Reconciler:
                 due = self.run_once()
                 if due is not None:
                     timeout = min(timeout, max(0.0, (due - self.clock.now()).total_seconds()))
+            except OperationalError as exc:  # the database is down: retried on the next tick
+                log.warning("reconcile pass failed, the database is unavailable: %s", exc.orig)
             except Exception:  # a failed pass is retried on the next tick
                 log.exception("reconcile pass failed")
             self._wake.wait(timeout)
@@ -173,6 +177,7 @@ class Reconciler:
         """Reconcile every cluster with work, pass after pass while one leaves more to do;
         return when something is next due."""
         self.provisioner.reap()
+        faults.report_ended_outage(db=self.db, clock=self.clock, ids=self.ids)
         if not self._adopted:
             self._adopt_agents()
         due: datetime | None = None
@@ -376,7 +381,9 @@ class Reconciler:
                     else:
                         outcome.note_due(deadline)
                 elif node.last_heartbeat is not None:
-                    deadline = node.last_heartbeat + heartbeat_timeout
+                    # Heartbeats refused while the database was down do not count against a node:
+                    # it has a whole timeout from the outage's end.
+                    deadline = max(node.last_heartbeat, self._database_back()) + heartbeat_timeout
                     if now >= deadline:
                         reason = f"no heartbeat from its agent for {self.config.heartbeat_timeout_s:g} s"
                     else:
@@ -410,6 +417,10 @@ class Reconciler:
                 outcome.changed = outcome.again = True
         if replaced:
             cluster.generation += 1  # the ring changed: every node's replica peers may have
+
+    def _database_back(self) -> datetime:
+        """When the database last failed a request (the epoch when it never did)."""
+        return datetime.fromtimestamp(self.db.last_unavailable_at, tz=UTC)
 
     def _restart_crashed_agents(
         self, session: Session, cluster: Cluster, now: datetime, outcome: Outcome
@@ -590,7 +601,11 @@ class Reconciler:
                 "PUT",
                 "/v1/policy",
                 body=json.dumps(push.policy).encode(),
-                headers={"Authorization": f"Bearer {push.token}", "Content-Type": "application/json"},
+                headers={
+                    "Authorization": f"Bearer {push.token}",
+                    "Content-Type": "application/json",
+                    "User-Agent": CONTROL_PLANE_AGENT,
+                },
             )
             response = connection.getresponse()
             status, text = response.status, response.read().decode(errors="replace")

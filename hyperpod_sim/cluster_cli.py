@@ -596,6 +596,26 @@ def fault_clear(client: HyperPodClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def fault_database(client: HyperPodClient, args: argparse.Namespace) -> int:
+    """``fault database --duration S`` starts a DatabaseOutage, ``--end`` ends the one in force,
+    neither shows it."""
+    if args.duration is not None:
+        fault = client.inject_control_plane_fault(Type="DatabaseOutage", DurationSeconds=args.duration)
+        print(f"{fault['FaultId']} (DatabaseOutage) until {_epoch(fault['EndsAt'])}")
+        return 0
+    faults = client.list_control_plane_faults()
+    if not faults:
+        print("The control plane's database answers: no DatabaseOutage in force.")
+        return 0
+    for fault in faults:
+        if args.end:
+            client.clear_control_plane_fault(fault["FaultId"])
+            print(f"{fault['FaultId']} (DatabaseOutage) cleared")
+        else:
+            print(f"{fault['FaultId']} (DatabaseOutage) until {_epoch(fault['EndsAt'])}")
+    return 0
+
+
 # ---------------------------------------------------------------------- parser
 
 
@@ -772,7 +792,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "fault",
         help="inject, list and clear faults (node and S3 faults)",
         description="Fault injection, a hyperpod-sim extension (docs/sdk.md#faults). Node faults "
-        "(AgentCrash, NodeLoss, AgentHang) need --instance-id and the local provisioner; S3 faults "
+        "(AgentCrash, NodeLoss, AgentHang, NetworkPartition) need --instance-id and the local "
+        "provisioner; S3 faults "
         "(S3Latency, S3Errors, S3Outage) act on every agent of the cluster.",
     )
     faults = fault.add_subparsers(dest="fault_command", required=True, metavar="COMMAND")
@@ -781,7 +802,15 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     inject.add_argument(
         "--type",
         required=True,
-        choices=["AgentCrash", "NodeLoss", "AgentHang", "S3Latency", "S3Errors", "S3Outage"],
+        choices=[
+            "AgentCrash",
+            "NodeLoss",
+            "AgentHang",
+            "NetworkPartition",
+            "S3Latency",
+            "S3Errors",
+            "S3Outage",
+        ],
         help="the fault",
     )
     inject.add_argument("--instance-id", metavar="ID", help="the node (node faults)")
@@ -789,7 +818,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--duration",
         type=int,
         metavar="S",
-        help="DurationSeconds: AgentHang (required), S3 faults (default: until cleared)",
+        help="DurationSeconds: AgentHang and NetworkPartition (required), S3 faults (default: until cleared)",
     )
     inject.add_argument("--latency-ms", type=int, metavar="MS", help="S3Latency: delay per S3 request")
     inject.add_argument(
@@ -808,5 +837,16 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     clear.add_argument("name", help="the cluster")
     clear.add_argument("fault_id", metavar="ID", help="the fault (FaultId)")
     clear.set_defaults(action=fault_clear)
+    database = faults.add_parser(
+        "database",
+        parents=[common],
+        help="make the control plane's database unreachable for a while (DatabaseOutage)",
+        description="The control plane answers 503 ServiceUnavailable until the outage ends; every "
+        "cluster's events record it. Without options: the outage in force, if any.",
+    )
+    action = database.add_mutually_exclusive_group()
+    action.add_argument("--duration", type=int, metavar="S", help="start an outage of S seconds (1..3600)")
+    action.add_argument("--end", action="store_true", help="end the outage in force now")
+    database.set_defaults(action=fault_database)
     for parser in (cluster, ckpt, fault):
         parser.set_defaults(func=run)

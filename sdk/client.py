@@ -218,7 +218,7 @@ class HyperPodClient:
     # ------------------------------------------------------------------ faults (extension)
 
     def inject_fault(self, name: str, **spec: Any) -> dict[str, Any]:
-        """Inject a fault: ``Type`` (AgentCrash, NodeLoss, AgentHang, S3Latency, S3Errors,
+        """Inject a fault: ``Type`` (AgentCrash, NodeLoss, AgentHang, NetworkPartition, S3Latency, S3Errors,
         S3Outage) and its members (``InstanceId``, ``DurationSeconds``, ``LatencyMs``,
         ``ErrorRate``, ``ErrorKind``). The fault's record: ``FaultId``, ``Type``, the members given,
         ``InjectedAt``, ``EndsAt`` (with a duration) and ``PolicyGeneration``."""
@@ -231,10 +231,27 @@ class HyperPodClient:
         return faults
 
     def clear_fault(self, name: str, fault_id: str) -> dict[str, Any]:
-        """End an S3 fault or an AgentHang now; the fault's record with ``ClearedAt``."""
+        """End an S3 fault, an AgentHang or a NetworkPartition now; the fault's record with ``ClearedAt``."""
         fault: dict[str, Any] = self._rest(
             "DELETE", f"/clusters/{quote(name, safe='')}/faults/{quote(fault_id, safe='')}"
         )
+        return fault
+
+    def inject_control_plane_fault(self, **spec: Any) -> dict[str, Any]:
+        """Make the control plane's database unreachable: ``Type="DatabaseOutage"``,
+        ``DurationSeconds`` (1..3600). Meanwhile the other calls of this client raise
+        ClusterError with code ServiceUnavailable. The fault's record, without a cluster."""
+        fault: dict[str, Any] = self._rest("POST", "/faults", json=spec)
+        return fault
+
+    def list_control_plane_faults(self) -> list[dict[str, Any]]:
+        """The control plane's faults in force (the DatabaseOutage, if any)."""
+        faults: list[dict[str, Any]] = self._rest("GET", "/faults")["Faults"]
+        return faults
+
+    def clear_control_plane_fault(self, fault_id: str) -> dict[str, Any]:
+        """End the DatabaseOutage now; its record with ``ClearedAt``."""
+        fault: dict[str, Any] = self._rest("DELETE", f"/faults/{quote(fault_id, safe='')}")
         return fault
 
     # ------------------------------------------------------------------ waiters

@@ -193,6 +193,50 @@ def test_agent_hang_fails_the_node_and_clearing_it_recovers(
     assert "Agent is heartbeating again; the node is recovering." in texts
 
 
+def agent_generation(endpoint: str) -> int:
+    """The policy generation an agent applied, asked of the agent itself (as a trainer can)."""
+    return int(httpx.get(f"{endpoint}/v1/policy", timeout=5).json()["generation"])
+
+
+def test_network_partition_cuts_off_the_control_plane_only(
+    agent_plane: ControlPlane, sm: Any, client: HyperPodClient
+) -> None:
+    nodes = cluster(sm, agent_plane, "split", 2, recovery="None")
+    victim, endpoint, peer = nodes[0]["InstanceId"], url(nodes[0]), url(nodes[1])
+    assert create_namespace(endpoint, "job", 1).status_code == 201
+    fault = client.inject_fault("split", Type="NetworkPartition", InstanceId=victim, DurationSeconds=600)
+    assert [f["FaultId"] for f in client.list_faults("split")] == [fault["FaultId"]]
+    # A new policy generation reaches the peer, not the partitioned node.
+    s3_fault = client.inject_fault("split", Type="S3Latency", LatencyMs=1)
+    generation = s3_fault["PolicyGeneration"]
+    wait_for(lambda: agent_generation(peer) >= generation, timeout=30, what="the push to the peer")
+    assert agent_generation(endpoint) < generation
+    # No heartbeat gets through: the control plane fails the node as if it were dead.
+    wait_for(lambda: node_status(client, "split", victim) == "Failure", timeout=30, what="the node to fail")
+    # Trainers and peers still reach it: a save lands, and is replicated to the peer.
+    data = os.urandom(100_000)
+    assert put(endpoint, "job", 0, 7, data).status_code == 200
+    wait_for(lambda: replicated(endpoint), timeout=30, what="the replica")
+    assert get(peer, "job", 0, 7).content == data
+    assert agent_generation(endpoint) < generation
+
+    client.clear_fault("split", fault["FaultId"])
+    wait_for(
+        lambda: node_status(client, "split", victim) == "Running", timeout=30, what="the node to recover"
+    )
+    wait_for(lambda: agent_generation(endpoint) >= generation, timeout=30, what="the missed policy")
+    assert get(endpoint, "job", 0, 7).content == data
+    texts = descriptions(client, "split")
+    injected = f"Fault {fault['FaultId']} injected: NetworkPartition on node {victim} (for 600 s); agent pid"
+    assert any(t.startswith(injected) and "trainers and peer agents still can" in t for t in texts), texts
+    assert f"Node {victim} failed: no heartbeat from its agent for 3 s." in texts
+    assert any(
+        t.startswith(f"Fault {fault['FaultId']} ended: NetworkPartition on node {victim}") and "cleared" in t
+        for t in texts
+    )
+    assert "Agent is heartbeating again; the node is recovering." in texts
+
+
 # ---------------------------------------------------------------------- S3 faults
 
 
@@ -302,7 +346,7 @@ def test_validation_and_unknown_resources(agent_plane: ControlPlane, sm: Any) ->
         "__type": "ValidationException",
         "message": "1 validation error detected: Value 'Meteor' at 'type' failed to satisfy constraint: "
         "Member must satisfy enum value set: "
-        "[AgentCrash, NodeLoss, AgentHang, S3Latency, S3Errors, S3Outage]",
+        "[AgentCrash, NodeLoss, AgentHang, NetworkPartition, S3Latency, S3Errors, S3Outage]",
     }
     assert refused({"Type": "AgentHang", "InstanceId": node["InstanceId"]})["message"] == (
         "1 validation error detected: Value null at 'durationSeconds' failed to satisfy constraint: "
@@ -377,17 +421,25 @@ def test_faults_are_in_the_openapi_document(agent_plane: ControlPlane) -> None:
     post = paths["/clusters/{name}/faults"]["post"]
     assert "hyperpod-sim extension" in post["summary"]
     content = post["requestBody"]["content"]["application/json"]
-    assert set(content["examples"]) == {
+    types = content["schema"]["properties"]["Type"]["enum"]
+    assert types == [
         "AgentCrash",
         "NodeLoss",
         "AgentHang",
+        "NetworkPartition",
         "S3Latency",
         "S3Errors",
         "S3Outage",
-    }
-    assert content["schema"]["properties"]["Type"]["enum"][0] == "AgentCrash"
+    ]
+    assert set(content["examples"]) == set(types)  # an example of each
     assert "get" in paths["/clusters/{name}/faults"]
     assert "delete" in paths["/clusters/{name}/faults/{fault_id}"]
+    outage = paths["/faults"]["post"]
+    assert "hyperpod-sim extension" in outage["summary"]
+    schema = outage["requestBody"]["content"]["application/json"]["schema"]
+    assert schema["properties"]["Type"]["enum"] == ["DatabaseOutage"]
+    assert "get" in paths["/faults"]
+    assert "delete" in paths["/faults/{fault_id}"]
 
 
 def test_fault_commands(agent_plane: ControlPlane, sm: Any) -> None:
