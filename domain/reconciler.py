@@ -92,6 +92,8 @@ class Outcome:
     due: datetime | None = None
     launches: list[str] = field(default_factory=list)
     pushes: list[Push] = field(default_factory=list)
+    # Nodes whose crashed agent waits out its restart backoff: not failed for missed heartbeats.
+    restart_pending: set[str] = field(default_factory=set)
 
     def note_due(self, when: datetime) -> None:
         self.due = when if self.due is None else min(self.due, when)
@@ -365,7 +367,12 @@ class Reconciler:
             reason = None
             if node.status in (NodeStatus.PENDING, NodeStatus.RUNNING):
                 restarted = node.agent_restarted_at
-                if (
+                if node.id in outcome.restart_pending:
+                    # The control plane is restarting its agent (a kubelet's CrashLoopBackOff): the
+                    # node stays up through the backoff; the restarted agent then has the launch
+                    # timeout to register (below).
+                    pass
+                elif (
                     restarted is not None
                     and node.last_heartbeat is not None
                     and restarted >= node.last_heartbeat
@@ -450,6 +457,7 @@ class Reconciler:
                 )
                 if now < last + delay:
                     outcome.note_due(last + delay)
+                    outcome.restart_pending.add(node.id)
                     continue
                 restarts = node.agent_restarts + 1
             node.agent_restarts = restarts
