@@ -288,11 +288,12 @@ class _Spare:
 
 @dataclass(frozen=True)
 class _Entry:
-    """An index entry: a committed shard and the inode of its data file."""
+    """An index entry: a committed shard, the inode of its data file and the buffer id that names
+    that file (unique per file: trainers keep their mappings by it)."""
 
     info: ShardInfo
     inode: int
-    buffer_id: str = ""
+    buffer_id: str
 
     @property
     def record(self) -> _Record:
@@ -968,7 +969,9 @@ class ShardStore:
             meta_path.unlink(missing_ok=True)
             return
         info = ShardInfo(key, record.size, record.checksum, record.replica_of, data_path, record.committed_at)
-        self._index[key] = _Entry(info, record.inode)
+        # A buffer id of its own: it names this file to the trainers that map it (by buffer id),
+        # also once the file is retired and reused for a later save of its rank.
+        self._index[key] = _Entry(info, record.inode, uuid.uuid4().hex)
         self._committed_bytes += record.size
 
 

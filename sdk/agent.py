@@ -80,6 +80,7 @@ def discover_agent_url(environ: dict[str, str] | None = None) -> str:
 class _Mapping:
     mapping: mmap.mmap
     size: int
+    inode: int  # of the file mapped: a cached mapping is reused only for that same file
     pinned: bool = False  # registered with CUDA as page-locked host memory
 
 
@@ -220,10 +221,13 @@ class AgentClient:
         return FastWrite(doc["token"], size, doc["buffer_id"], view, lambda: _pin_for_cuda(entry))
 
     def _writable(self, buffer_id: str, path: str, size: int) -> _Mapping:
-        """The cached mapping of a buffer, or a new one (the file is exactly ``size`` bytes now)."""
+        """The cached mapping of a buffer, or a new one (the file is exactly ``size`` bytes now).
+        A cached mapping is reused only when it maps the very file reserved (same inode): writing
+        into another file would commit that file's old bytes under a fresh checksum."""
+        inode = os.stat(path).st_ino
         with self._lock:
             entry = self._mappings.get(buffer_id)
-            if entry is not None and entry.size == size:
+            if entry is not None and entry.size == size and entry.inode == inode:
                 self._mappings.move_to_end(buffer_id)
                 return entry
             if entry is not None:
@@ -238,7 +242,7 @@ class AgentClient:
                 )
             finally:
                 os.close(fd)
-            entry = _Mapping(mapping, size)
+            entry = _Mapping(mapping, size, inode)
             self._mappings[buffer_id] = entry
             while len(self._mappings) > MAX_MAPPINGS:
                 _unmap(self._mappings.popitem(last=False)[1])

@@ -259,6 +259,36 @@ def test_restart_rebuilds_the_index_and_drops_uncommitted_writes(tmp_path: Path,
     assert read(again, ShardKey("team/a run 1", 0, 3)) == b"odd namespace"
 
 
+def test_shards_found_at_restart_keep_buffer_ids_of_their_own(tmp_path: Path, clock: StepClock) -> None:
+    """A buffer id names one file: a trainer on the host keeps its mapping per buffer id and
+    writes into it, and the agent commits that file. Shards found at restart, retired and reused
+    for the next saves, must not share an id: a trainer would write step 5 into step 4's file while
+    the agent commits step 2's old bytes as step 5, under a checksum of those bytes (the soak test,
+    HPSIM_SOAK_SEED=291, restored "step 69" holding step 55's state)."""
+    root = tmp_path / "node-a"
+    before = ShardStore(root, budget_bytes=MiB, clock=clock)
+    for step in (1, 2):
+        put(before, ShardKey("job", 0, step), bytes([step]) * 100)
+    store = ShardStore(root, budget_bytes=MiB, clock=clock)  # the agent restarted
+    found = {step: store.local_path(ShardKey("job", 0, step)) for step in (1, 2)}
+    assert all(f is not None and f[1] for f in found.values())
+    ids = {step: f[1] for step, f in found.items() if f is not None}
+    assert ids[1] != ids[2]
+
+    handed_out = {}
+    for step in (3, 4, 5):  # each save retires the oldest step; the next save reuses its file
+        reservation = store.reserve(ShardKey("job", 0, step), 100)
+        handed_out[step] = (reservation.buffer_id, os.stat(reservation.path).st_ino)
+        with reservation.buffer() as view:
+            view[:] = bytes([step]) * 100
+        reservation.commit(checksum=checksum_of(bytes([step]) * 100))
+        store.enforce_retention("job", 2)
+    assert handed_out[4][0] == ids[1]
+    assert handed_out[5][0] == ids[2]
+    assert handed_out[4][1] != handed_out[5][1]  # two files, two ids
+    assert read(store, ShardKey("job", 0, 5)) == bytes([5]) * 100
+
+
 def test_crash_while_replacing_keeps_the_old_shard(
     tmp_path: Path, clock: StepClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
