@@ -585,6 +585,13 @@ class MemoryTier:
         except ValueError as exc:
             raise TierError(400, "InvalidShard", "rank and step must be integers") from exc
         info = await self._receive(key, request, replica_of=owner or "unknown")
+        # Replicas are kept as the owner keeps its shards: the namespace's newest steps.
+        try:
+            namespace = await self.namespace(name)
+        except TierError as exc:  # not known here yet and the control plane did not answer
+            log.info("replica of %s kept without retention: %s", key, exc)
+        else:
+            self.store.enforce_retention(name, namespace.steps_retained, protect=lambda: {(name, key.step)})
         return json_response(200, {"size": info.size})
 
     def _peer_ids(self) -> list[str]:
@@ -625,8 +632,12 @@ class MemoryTier:
         REPLICA_RETRY_S; the replication lag metric shows the wait."""
         deadline = time.monotonic() + REPLICA_RETRY_S
         delay = 0.2
+        refresh = False
         while peer in self._peer_ids() and time.monotonic() < deadline:
-            endpoint = (await self.members()).get(peer) or (await self.members(refresh=True)).get(peer)
+            endpoint = (await self.members(refresh=refresh)).get(peer) or (
+                await self.members(refresh=True)
+            ).get(peer)
+            refresh = True  # a try failed: the peer's agent may be back on another port
             if endpoint is not None:
                 try:
                     response = await self._peers.put(

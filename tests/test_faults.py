@@ -118,6 +118,31 @@ def test_agent_crash_restarts_the_agent_on_the_same_node(
     assert not any(t.startswith(f"Node {victim} failed") for t in texts), texts
 
 
+def test_replicas_reach_a_peer_whose_agent_restarted_on_another_port(
+    agent_plane: ControlPlane, sm: Any, client: HyperPodClient
+) -> None:
+    nodes = cluster(sm, agent_plane, "moved", 2)
+    owner, peer = url(nodes[0]), nodes[1]["InstanceId"]
+    assert create_namespace(owner, "job", 1).status_code == 201
+    assert put(owner, "job", 0, 1, os.urandom(50_000)).status_code == 200
+    wait_for(lambda: replicated(owner), timeout=30, what="the first replica")
+    client.inject_fault("moved", Type="AgentCrash", InstanceId=peer)
+
+    def moved() -> str | None:
+        endpoint = (client.describe_node("moved", peer).get("AgentStatus") or {}).get("Endpoint")
+        return endpoint if endpoint not in (None, url(nodes[1])) and answers(endpoint) else None
+
+    after = wait_for(moved, timeout=60, what="the peer's agent on a new port")
+    data = os.urandom(60_000)
+    assert put(owner, "job", 0, 2, data).status_code == 200
+    # The owner finds the peer at its new endpoint (it does not retry the old one until it gives up).
+    wait_for(lambda: replicated(owner), timeout=30, what="the replica of step 2")
+    response = get(after, "job", 0, 2)
+    assert response.status_code == 200
+    assert response.content == data
+    assert response.headers["x-hpsim-tier"] == "replica"
+
+
 def test_node_loss_replaces_the_node_and_its_replica_serves(
     agent_plane: ControlPlane, sm: Any, client: HyperPodClient, tmp_path: Path
 ) -> None:

@@ -365,3 +365,15 @@ def metric_or_zero(agent: str, name: str) -> float:
         return metric(agent, name)
     except httpx.HTTPError:
         return 0.0
+
+
+def test_replicas_are_kept_for_the_namespaces_newest_steps_only(agent_plane: ControlPlane, sm: Any) -> None:
+    owner, peer = (url(n) for n in cluster(sm, agent_plane, "trim", 2))
+    assert create_namespace(owner, "job", 1, steps_retained=2).status_code == 201
+    for step in range(1, 6):
+        assert put(owner, "job", 0, step, os.urandom(10_000)).status_code == 200
+    wait_for(lambda: replicated(owner), timeout=30, what="the replicas")
+    assert latest(owner, "job") == [5, 4]
+    # The peer holds replicas of steps 4 and 5 only, as the owner holds its shards.
+    assert metric(peer, "hpsim_tier_shards") == 2
+    assert get(peer, "job", 0, 5).headers["x-hpsim-tier"] == "replica"
