@@ -247,7 +247,9 @@ class S3Objects:
         return S3Unavailable(f"{what}: {type(exc).__name__}: {exc}")
 
     def upload(self, key: str, body: IO[bytes], *, size: int, checksum: str, bucket: str) -> None:
-        """Upload one shard (multipart above PART_BYTES) and check what S3 then holds."""
+        """Upload one shard (multipart above PART_BYTES) and check what S3 then holds. ``body``: an
+        open file, not an in-memory stream: each attempt reads a duplicate of its descriptor (which
+        shares its offset: one upload at a time per open file)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         last: Exception | None = None

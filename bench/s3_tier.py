@@ -75,11 +75,11 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import quote, urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.common, as bench/x.py too
@@ -140,6 +140,17 @@ MOTO_KEY_BUFFER = 1 << 30
 
 
 # ---------------------------------------------------------------------- servers and the cluster
+
+
+@contextlib.contextmanager
+def shm_file(data: bytes) -> Iterator[Callable[[], BinaryIO]]:
+    """A file in /dev/shm holding ``data``, as a function that opens it anew: what S3Objects.upload
+    reads in the agent (it duplicates the descriptor for each attempt, so it takes a real file,
+    and concurrent uploads need their own file offsets)."""
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="hpsim-bench-s3-") as handle:
+        handle.write(data)
+        handle.flush()
+        yield lambda: open(handle.name, "rb")  # noqa: SIM115 - the caller closes it
 
 
 def start_moto(workdir: Path, deadline_s: float) -> Server:
@@ -518,14 +529,21 @@ def measure_throughput(
     def boto3_upload(data: bytes, key: str) -> None:
         s3.upload_fileobj(io.BytesIO(data), BUCKET, key)
 
+    stack = contextlib.ExitStack()
     try:
         for size in sizes:
             size_mib = size // MIB
             bodies = [body[:size]] * ranks  # the same bytes for every rank: S3 does not deduplicate
             shards = [Shard.of(b) for b in bodies]
 
-            def agent_code_upload(data: bytes, key: str, checksum: str = shards[0].checksum) -> None:
-                objects.upload(key, io.BytesIO(data), size=len(data), checksum=checksum, bucket=BUCKET)
+            # The agent uploads from its shared-memory files.
+            source = stack.enter_context(shm_file(bodies[0]))
+
+            def agent_code_upload(
+                data: bytes, key: str, checksum: str = shards[0].checksum, source: Any = source
+            ) -> None:
+                with source() as body:
+                    objects.upload(key, body, size=len(data), checksum=checksum, bucket=BUCKET)
 
             namespace = f"tput-{size_mib}"
             # steps_retained 1: the previous step is committed before the next one is saved.
@@ -553,6 +571,7 @@ def measure_throughput(
             delete_prefix(s3, f"ours/{namespace}/")
     finally:
         client.close()
+        stack.close()
     return rows
 
 
@@ -634,12 +653,13 @@ def run_s3_load(endpoint: str, size_mib: int, count_file: Path, rate_mib_s: floa
     objects = agent_objects(endpoint)
     done = 0
     started = time.monotonic()
+    files = contextlib.ExitStack()  # held until this process is stopped
+    opener = files.enter_context(shm_file(body))
     while True:
         if rate_mib_s > 0:
             time.sleep(max(0.0, started + done * size_mib / rate_mib_s - time.monotonic()))
-        objects.upload(
-            "s3-load/object", io.BytesIO(body), size=len(body), checksum=shard.checksum, bucket=BUCKET
-        )
+        with opener() as source:
+            objects.upload("s3-load/object", source, size=len(body), checksum=shard.checksum, bucket=BUCKET)
         done += 1
         scratch = count_file.with_suffix(".tmp")
         scratch.write_text(str(done))
@@ -857,7 +877,8 @@ def main(argv: list[str] | None = None) -> int:
         s3, objects = s3_client(moto.endpoint), agent_objects(moto.endpoint)
         warm = Shard.of(body[:MIB])  # untimed: each client's first call
         s3.upload_fileobj(io.BytesIO(warm.body), BUCKET, "warm-up")
-        objects.upload("warm-up", io.BytesIO(warm.body), size=MIB, checksum=warm.checksum, bucket=BUCKET)
+        with shm_file(warm.body) as opener, opener() as source:
+            objects.upload("warm-up", source, size=MIB, checksum=warm.checksum, bucket=BUCKET)
         s3.delete_object(Bucket=BUCKET, Key="warm-up")
 
         latency: list[LatencyRow] = []
