@@ -1,0 +1,39 @@
+"""The benchmark scripts still run: ``bench/run_all.py`` over all five with small sizes.
+
+Nothing here judges a ratio (timings belong to the scripts, on a quiet machine); what is checked is
+that every script starts its servers, measures each of its targets and writes the common
+``target_ratios`` JSON that the README's table is made from. A script broken by a change elsewhere
+(an API it calls, an option it passes) fails here instead of on the next benchmark run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SMALL = {
+    "control_plane": "--duration 0.3 --warmup 5 --clients 1,8",
+    "policy_rollout": "--sizes 1,64 --repeats 1",  # its target compares 64 nodes with 1
+    "memory_tier": "--sizes 8 --repeats 1 --no-replication",
+    "s3_tier": "--sizes 8 --repeats 1 --saves 2 --save-size 4",
+    "checkpoint_path": "--sizes 16 --repeats 2",
+}
+
+
+def test_every_benchmark_runs_and_measures_its_targets(tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "bench" / "run_all.py"), "--results", str(tmp_path)]
+    for name, options in SMALL.items():
+        command += ["--args", f"{name}={options}"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = json.loads((tmp_path / "table.json").read_text())["rows"]
+    assert {row["benchmark"] for row in rows} == set(SMALL), rows
+    unmeasured = [row for row in rows if not isinstance(row.get("value"), int | float)]
+    assert not unmeasured, unmeasured
+    for name in SMALL:
+        report = json.loads((tmp_path / f"{name}.json").read_text())
+        assert report["target_ratios"], name
