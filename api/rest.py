@@ -39,6 +39,15 @@ _REST_STATUS: dict[type[AwsError], int] = {
 }
 
 
+async def json_body(request: Request) -> Any:
+    """The request's JSON body (``{}`` when empty); SerializationException when it is not JSON."""
+    raw = await request.body()
+    try:
+        return json.loads(raw) if raw.strip() else {}
+    except ValueError as exc:
+        raise SerializationException("The request body is not valid JSON.") from exc
+
+
 def status_for(error: AwsError) -> int:
     return _REST_STATUS.get(type(error), error.status)
 
@@ -203,11 +212,7 @@ def _make_endpoint(route: Route) -> Callable[..., Any]:
         if route.query:
             params.update(_query_params(route.operation, request))
         if route.body:
-            raw = await request.body()
-            try:
-                body = json.loads(raw) if raw.strip() else {}
-            except ValueError as exc:
-                raise SerializationException("The request body is not valid JSON.") from exc
+            body = await json_body(request)
             if not isinstance(body, dict):
                 raise SerializationException("The request body must be a JSON object.")
             params.update(body)
@@ -398,11 +403,7 @@ async def get_checkpoint_policy(name: str, services: ServicesDep) -> dict[str, A
     },
 )
 async def put_checkpoint_policy(name: str, request: Request, services: ServicesDep) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except ValueError as exc:
-        raise SerializationException("The request body is not valid JSON.") from exc
+    body = await json_body(request)
     try:
         cluster, policy = await run_in_threadpool(
             lambda: services.clusters.put_checkpoint_policy(name=name, body=body)
@@ -574,11 +575,7 @@ _FAULT_ERRORS: dict[int | str, dict[str, Any]] = {
     responses={201: {"content": {"application/json": {"example": FAULT_ANSWER_EXAMPLE}}}, **_FAULT_ERRORS},
 )
 async def inject_fault(name: str, request: Request, services: ServicesDep) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except ValueError as exc:
-        raise SerializationException("The request body is not valid JSON.") from exc
+    body = await json_body(request)
     try:
         cluster, fault = await run_in_threadpool(lambda: services.faults.inject_fault(name=name, body=body))
     except Exception as exc:
@@ -688,11 +685,7 @@ CONTROL_PLANE_FAULT_ANSWER = {
     },
 )
 async def inject_control_plane_fault(request: Request, services: ServicesDep) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except ValueError as exc:
-        raise SerializationException("The request body is not valid JSON.") from exc
+    body = await json_body(request)
     try:
         return await run_in_threadpool(lambda: services.faults.inject_control_plane_fault(body=body))
     except Exception as exc:

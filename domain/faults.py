@@ -111,24 +111,33 @@ class FaultSpec:
     error_kind: str | None = None
 
 
-def parse_control_plane_fault(body: object) -> FaultSpec:
-    """Check a control-plane fault: ``{"Type": "DatabaseOutage", "DurationSeconds": 1..3600}``."""
+def _members_and_type(
+    body: object, members: tuple[str, ...], types: tuple[str, ...]
+) -> tuple[list[str], Any]:
+    """The first checks of every fault body: a JSON object, known members, a known ``Type``; the
+    errors found and the ``Type`` given."""
     if not isinstance(body, dict):
         raise validation_error(["The fault must be a JSON object"])
-    allowed = ("Type", "DurationSeconds")
     errors = [
-        f"Unknown member '{key}': allowed members are {', '.join(allowed)}"
+        f"Unknown member '{key}': allowed members are {', '.join(members)}"
         for key in body
-        if key not in allowed
+        if key not in members
     ]
     kind = body.get("Type")
     if kind is None:
         errors.append("Value null at 'type' failed to satisfy constraint: Member must not be null")
-    elif kind not in CONTROL_PLANE_FAULTS:
+    elif kind not in types:
         errors.append(
             f"Value '{kind}' at 'type' failed to satisfy constraint: Member must satisfy enum value set: "
-            f"[{', '.join(CONTROL_PLANE_FAULTS)}]"
+            f"[{', '.join(types)}]"
         )
+    return errors, kind
+
+
+def parse_control_plane_fault(body: object) -> FaultSpec:
+    """Check a control-plane fault: ``{"Type": "DatabaseOutage", "DurationSeconds": 1..3600}``."""
+    errors, kind = _members_and_type(body, ("Type", "DurationSeconds"), CONTROL_PLANE_FAULTS)
+    assert isinstance(body, dict)
     if body.get("DurationSeconds") is None:
         errors.append("Value null at 'durationSeconds' failed to satisfy constraint: Member must not be null")
     duration = _integer(body, "DurationSeconds", errors, low=1, high=MAX_OUTAGE_S)
@@ -139,21 +148,8 @@ def parse_control_plane_fault(body: object) -> FaultSpec:
 
 def parse_fault(body: object) -> FaultSpec:
     """Check an injection body; one ValidationException naming every bad member."""
-    if not isinstance(body, dict):
-        raise validation_error(["The fault must be a JSON object"])
-    errors = [
-        f"Unknown member '{key}': allowed members are {', '.join(MEMBERS)}"
-        for key in body
-        if key not in MEMBERS
-    ]
-    kind = body.get("Type")
-    if kind is None:
-        errors.append("Value null at 'type' failed to satisfy constraint: Member must not be null")
-    elif kind not in FAULT_TYPES:
-        errors.append(
-            f"Value '{kind}' at 'type' failed to satisfy constraint: Member must satisfy enum value set: "
-            f"[{', '.join(FAULT_TYPES)}]"
-        )
+    errors, kind = _members_and_type(body, MEMBERS, FAULT_TYPES)
+    assert isinstance(body, dict)
     if errors or not isinstance(kind, str):
         raise validation_error(errors)
     for member in MEMBERS[1:]:

@@ -50,6 +50,20 @@ def when(client: HyperPodClient, name: str, prefix: str) -> datetime:
     return event_time
 
 
+def node_loss_timeline(client: HyperPodClient, name: str, fault: dict[str, Any], *, replacement: str) -> None:
+    """A NodeLoss's events in order: injected, the node failed, replaced (by a node id starting
+    with ``replacement``), the fault ended; and the lost node's agent never restarted. Events of one
+    transaction share a timestamp: they are ordered by time, not by position."""
+    victim = fault["InstanceId"]
+    texts = descriptions(client, name)
+    injected = when(client, name, f"Fault {fault['FaultId']} injected: NodeLoss on node {victim}")
+    failed = when(client, name, f"Node {victim} failed: no heartbeat from its agent for 3 s.")
+    replaced = when(client, name, f"Node {victim} is replaced by {replacement}")
+    ended = when(client, name, f"Fault {fault['FaultId']} ended: NodeLoss on node {victim}; the node is")
+    assert injected < failed <= replaced <= ended, texts
+    assert not any("exited unexpectedly" in t for t in texts), texts
+
+
 def node_status(client: HyperPodClient, name: str, node_id: str) -> str | None:
     for node in client.list_nodes(name):
         if node["InstanceId"] == node_id:
@@ -176,14 +190,7 @@ def test_node_loss_replaces_the_node_and_its_replica_serves(
     assert response.status_code == 200
     assert response.content == data
     assert client.list_faults("lost") == []
-    texts = descriptions(client, "lost")
-    # Events of one transaction share a timestamp: order them by time, not by position.
-    injected = when(client, "lost", f"Fault {fault['FaultId']} injected: NodeLoss on node {victim}")
-    failed = when(client, "lost", f"Node {victim} failed: no heartbeat from its agent for 3 s.")
-    replacement = when(client, "lost", f"Node {victim} is replaced by i-")
-    ended = when(client, "lost", f"Fault {fault['FaultId']} ended: NodeLoss on node {victim}; the node is")
-    assert injected < failed <= replacement <= ended, texts
-    assert not any("exited unexpectedly" in t for t in texts), texts  # a lost node is not restarted
+    node_loss_timeline(client, "lost", fault, replacement="i-")
 
 
 def test_agent_hang_fails_the_node_and_clearing_it_recovers(

@@ -25,7 +25,7 @@ from sdk.client import HyperPodClient
 from tests.conftest import ControlPlane, wait_for
 from tests.s3proxy import FaultyS3Proxy
 from tests.sdk_worker import same, training_state
-from tests.test_faults import answers, client, descriptions, node_status, sm, when
+from tests.test_faults import answers, client, descriptions, node_loss_timeline, node_status, sm, when
 from tests.test_memory_tier import cluster, replicated, url
 from tests.test_s3_tier import agent_settings as s3_agent_settings
 from tests.test_s3_tier import bucket, keys, markers, moto_url, proxy, s3, set_policy
@@ -198,13 +198,7 @@ def test_node_loss_resumes_from_the_replica_on_the_peer(
         "S3": False,
         "Complete": True,
     }
-    texts = descriptions(client, "lost")
-    injected_at = when(client, "lost", f"Fault {fault['FaultId']} injected: NodeLoss on node {victim}")
-    failed = when(client, "lost", f"Node {victim} failed: no heartbeat from its agent for 3 s.")
-    replacing = when(client, "lost", f"Node {victim} is replaced by {replacement} (NodeRecovery: Automatic).")
-    ended = when(client, "lost", f"Fault {fault['FaultId']} ended: NodeLoss on node {victim}; the node is")
-    assert injected_at < failed <= replacing <= ended, texts
-    assert not any("exited unexpectedly" in t for t in texts), texts  # a lost node is not restarted
+    node_loss_timeline(client, "lost", fault, replacement=f"{replacement} (NodeRecovery: Automatic).")
 
 
 def test_losing_a_node_and_its_replica_peer_resumes_from_s3(
