@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def server(sqlite_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(sqlite_url, tmp_path / "data").start()
+    process = ServerProcess(sqlite_url, tmp_path).start()  # its shared memory goes with tmp_path
     try:
         yield process
     finally:
