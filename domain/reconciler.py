@@ -362,6 +362,9 @@ class Reconciler:
     def _detect_failures(self, session: Session, cluster: Cluster, now: datetime, outcome: Outcome) -> None:
         heartbeat_timeout = timedelta(seconds=self.config.heartbeat_timeout_s)
         launch_timeout = timedelta(seconds=self.config.launch_timeout_s)
+        # Heartbeats refused while the database was down do not count against a node: it has a
+        # whole timeout from the database's last failure (the epoch when it never failed).
+        database_back = datetime.fromtimestamp(self.db.last_unavailable_at, tz=UTC)
         replaced = False
         for node in list(cluster.nodes):
             reason = None
@@ -388,9 +391,7 @@ class Reconciler:
                     else:
                         outcome.note_due(deadline)
                 elif node.last_heartbeat is not None:
-                    # Heartbeats refused while the database was down do not count against a node:
-                    # it has a whole timeout from the outage's end.
-                    deadline = max(node.last_heartbeat, self._database_back()) + heartbeat_timeout
+                    deadline = max(node.last_heartbeat, database_back) + heartbeat_timeout
                     if now >= deadline:
                         reason = f"no heartbeat from its agent for {self.config.heartbeat_timeout_s:g} s"
                     else:
@@ -424,10 +425,6 @@ class Reconciler:
                 outcome.changed = outcome.again = True
         if replaced:
             cluster.generation += 1  # the ring changed: every node's replica peers may have
-
-    def _database_back(self) -> datetime:
-        """When the database last failed a request (the epoch when it never did)."""
-        return datetime.fromtimestamp(self.db.last_unavailable_at, tz=UTC)
 
     def _restart_crashed_agents(
         self, session: Session, cluster: Cluster, now: datetime, outcome: Outcome

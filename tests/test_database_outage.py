@@ -97,36 +97,22 @@ def test_an_outage_answers_503_and_keeps_every_cluster_whole(control_plane: Cont
 
     # A create answered 503 left nothing; one answered 200 is whole, with both its groups.
     created = {name for name, outcome in answered.items() if outcome == "created"}
-    listed: set[str] = set()
-    paginator_token: str | None = None
-    while True:
-        kwargs: dict[str, Any] = {"MaxResults": 100}
-        if paginator_token:
-            kwargs["NextToken"] = paginator_token
-        page = sm.list_clusters(**kwargs)
-        listed |= {c["ClusterName"] for c in page["ClusterSummaries"]}
-        paginator_token = page.get("NextToken")
-        if not paginator_token:
-            break
-    assert listed == created | {"kept"}
+    with HyperPodClient(control_plane.url) as client:
+        listed = {c["ClusterName"] for c in client.list_clusters()}
+        assert listed == created | {"kept"}
+        what = "DatabaseOutage (every database request fails, for 2 s)"
+        injected = f"Fault {fault['FaultId']} injected: {what}"
+        assert any(t.startswith(injected) for t in descriptions(client, "kept"))
+        ended = f"Fault {fault['FaultId']} ended: {what}; its 2 s passed."
+        wait_for(
+            lambda: any(t.startswith(ended) for t in descriptions(client, "kept")),
+            timeout=30,
+            what="the end event",
+        )
     for name in created:
         described = sm.describe_cluster(ClusterName=name)
         groups = {g["InstanceGroupName"]: g["TargetCount"] for g in described["InstanceGroups"]}
         assert groups == {"a": 2, "b": 1}, (name, described)
-    what = "DatabaseOutage (every database request fails, for 2 s)"
-    injected = f"Fault {fault['FaultId']} injected: {what}"
-    assert any(t.startswith(injected) for t in descriptions_of(sm, "kept"))
-    ended = f"Fault {fault['FaultId']} ended: {what}; its 2 s passed."
-    wait_for(
-        lambda: any(t.startswith(ended) for t in descriptions_of(sm, "kept")),
-        timeout=30,
-        what="the end event",
-    )
-
-
-def descriptions_of(sm: Any, name: str) -> list[str]:
-    events = sm.list_cluster_events(ClusterName=name, MaxResults=100)["Events"]
-    return [e["Description"] for e in events]
 
 
 def test_agents_ride_out_an_outage_and_it_can_be_cleared(agent_plane: ControlPlane) -> None:
