@@ -13,8 +13,10 @@ from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import agent_routes, rest
+from api.auth import Authenticator
 from api.awsjson import AwsJsonEntry
 from api.deps import Services, ServicesDep, as_aws_error, error_response
+from api.gate import RequestGate
 from api.operations import OPERATIONS
 from domain.agents import AgentConfig, AgentService
 from domain.checkpoint_policy import S3Endpoint
@@ -41,7 +43,9 @@ def build_services(
     adds to every agent's environment (``serve`` passes the embedded S3 endpoint's credentials)."""
     clock = clock or SystemClock()
     ids = ids or Ids()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    # Owner only: the data dir holds the SQLite database, and the database the cluster tokens.
+    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    settings.data_dir.chmod(0o700)
     db = Database(settings.database_url())
     db.migrate()
     provisioning = settings.provisioning
@@ -154,7 +158,12 @@ def create_app(
             f"Operations: {', '.join(sorted(OPERATIONS))}.\n"
             "* **REST** routes under `/clusters` with the same member names and shapes as the AWS "
             "API.\n\n"
-            'Errors have the AWS shape `{"__type": "<Code>", "message": "..."}` on both.'
+            'Errors have the AWS shape `{"__type": "<Code>", "message": "..."}` on both.\n\n'
+            "**Authentication** (when the service has credentials, `HPSIM_AUTH__CREDENTIALS`): every "
+            "route but `/agent/v1/*`, `/health` and this documentation needs a SigV4 signature "
+            "(boto3, the AWS CLI, `sdk.client.HyperPodClient`) or `Authorization: Bearer <token>` "
+            "(`hyperpod-sim auth-token`; use *Authorize* above). Fault injection needs an admin "
+            "credential once `HPSIM_AUTH__ADMIN_CREDENTIALS` is set. See docs/security.md."
         ),
         lifespan=lifespan,
     )
@@ -203,5 +212,12 @@ def create_app(
     app.include_router(rest.router)
     app.include_router(agent_routes.router)
     app.add_middleware(AwsJsonEntry)
+    # Outermost of our layers: nothing reaches a route (or the AWS JSON entry) without passing it.
+    app.add_middleware(
+        RequestGate,
+        authenticator=Authenticator(settings.auth),
+        max_body_bytes=settings.limits.max_body_bytes,
+        max_json_depth=settings.limits.max_json_depth,
+    )
     rest.install_openapi(app)
     return app

@@ -15,9 +15,9 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.deps import AMZ_JSON, as_aws_error
+from api.deps import AMZ_JSON, as_aws_error, parse_json
 from api.operations import dispatch
-from domain.errors import AwsError, SerializationException, UnknownOperationException
+from domain.errors import AwsError, UnknownOperationException
 
 TARGET_PREFIX = "SageMaker."
 
@@ -58,10 +58,7 @@ class AwsJsonEntry:
                 raise UnknownOperationException(
                     f"Missing or unknown X-Amz-Target '{target}'; expected 'SageMaker.<Operation>'."
                 )
-            try:
-                body: Any = json.loads(raw) if raw.strip() else {}
-            except ValueError as exc:
-                raise SerializationException("The request body is not valid JSON.") from exc
+            body: Any = parse_json(raw)
             services = scope["app"].state.services
             operation = target[len(TARGET_PREFIX) :]
             result = await run_in_threadpool(dispatch, services.clusters, operation, body)

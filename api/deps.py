@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import uuid
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
@@ -14,7 +16,13 @@ from sqlalchemy.exc import OperationalError
 from domain.agents import AgentService
 from domain.checkpoints import CheckpointCatalog
 from domain.clusters import ClusterService
-from domain.errors import AwsError, InternalFailure, ServiceUnavailable
+from domain.errors import (
+    AccessDeniedException,
+    AwsError,
+    InternalFailure,
+    SerializationException,
+    ServiceUnavailable,
+)
 from domain.faults import FaultService
 from domain.reconciler import Reconciler
 from hyperpod_sim.settings import Settings
@@ -42,6 +50,47 @@ def get_services(request: Request) -> Services:
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def require_admin(request: Request) -> None:
+    """Once admin credentials are configured, only they pass (api/gate.py put the caller in the
+    request's state); AccessDeniedException otherwise."""
+    services: Services = request.app.state.services
+    if not services.settings.auth.admin_credentials:
+        return
+    principal = getattr(request.state, "principal", None)
+    if principal is None or not principal.admin:
+        who = f"The access key {principal.access_key_id}" if principal is not None else "This caller"
+        raise AccessDeniedException(
+            f"{who} is not authorized to inject or clear faults: only the admin credentials "
+            "(HPSIM_AUTH__ADMIN_CREDENTIALS) may."
+        )
+
+
+AdminDep = Depends(require_admin)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        shown = text if len(text) <= 20 else text[:17] + "..."
+        raise SerializationException(f"The number {shown} is out of range.")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise SerializationException(f"{text} is not a JSON value.")
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON (``{}`` when empty). Finite numbers only; nesting was bounded by the
+    gate (api/gate.py) before this runs. SerializationException when it is not JSON."""
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise SerializationException("The request body is not valid JSON.") from exc
 
 
 def as_aws_error(exc: Exception) -> AwsError:

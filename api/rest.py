@@ -8,7 +8,7 @@ generated from botocore's service model, the same source the validation uses.
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 
 from api import shapes
-from api.deps import ServicesDep, as_aws_error
+from api.deps import AdminDep, ServicesDep, as_aws_error, parse_json
 from api.operations import OPERATIONS, dispatch
 from domain.errors import (
     AwsError,
@@ -26,6 +26,7 @@ from domain.errors import (
     ResourceInUse,
     ResourceNotFound,
     SerializationException,
+    validation_error,
 )
 from domain.faults import CONTROL_PLANE_FAULTS, FAULT_TYPES, MAX_OUTAGE_S
 
@@ -41,11 +42,23 @@ _REST_STATUS: dict[type[AwsError], int] = {
 
 async def json_body(request: Request) -> Any:
     """The request's JSON body (``{}`` when empty); SerializationException when it is not JSON."""
-    raw = await request.body()
-    try:
-        return json.loads(raw) if raw.strip() else {}
-    except ValueError as exc:
-        raise SerializationException("The request body is not valid JSON.") from exc
+    return parse_json(await request.body())
+
+
+_INTEGER = re.compile(r"-?[0-9]{1,18}")
+
+
+def _integer(key: str, value: str) -> int:
+    """A query parameter of an integer member: ASCII digits with an optional minus sign, within
+    int64 (18 digits); anything else is a ValidationException naming it."""
+    if _INTEGER.fullmatch(value) is None:
+        raise validation_error(
+            [
+                f"Value '{shapes.render(value)}' at '{shapes.camel(key)}' failed to satisfy constraint: "
+                "Member must be an integer (ASCII digits, at most 18)"
+            ]
+        )
+    return int(value)
 
 
 def status_for(error: AwsError) -> int:
@@ -190,8 +203,7 @@ def _query_params(operation: str, request: Request) -> dict[str, Any]:
         elif member.type_name == "list":
             params[key] = values
         elif member.type_name in ("integer", "long"):
-            value = values[-1]
-            params[key] = int(value) if value.lstrip("-").isdigit() else value
+            params[key] = _integer(key, values[-1])
         elif member.type_name == "boolean":
             params[key] = {"true": True, "false": False}.get(values[-1].lower(), values[-1])
         elif member.type_name == "timestamp":
@@ -551,6 +563,7 @@ _FAULT_ERRORS: dict[int | str, dict[str, Any]] = {
 @router.post(
     "/clusters/{name}/faults",
     status_code=201,
+    dependencies=[AdminDep],
     summary="Inject a fault (hyperpod-sim extension)",
     description="Node faults act on one node's agent process (local provisioner only): `AgentCrash` "
     "kills it (SIGKILL; the control plane restarts it on the same node, which keeps its id and "
@@ -614,6 +627,7 @@ async def list_faults(name: str, services: ServicesDep) -> dict[str, Any]:
 
 @router.delete(
     "/clusters/{name}/faults/{fault_id}",
+    dependencies=[AdminDep],
     summary="End a fault now (hyperpod-sim extension)",
     description="Ends an S3 fault (a new policy generation without it is pushed to the agents) or an "
     "AgentHang (SIGCONT) or a NetworkPartition (healed) before its time. A NodeLoss cannot be "
@@ -649,6 +663,7 @@ CONTROL_PLANE_FAULT_ANSWER = {
 @router.post(
     "/faults",
     status_code=201,
+    dependencies=[AdminDep],
     summary="Make this control plane's database unreachable (hyperpod-sim extension)",
     description="`DatabaseOutage` for `DurationSeconds` (1..3600): every statement and commit of this "
     "control plane process fails as if the database server had gone away. Meanwhile the AWS JSON "
@@ -705,6 +720,7 @@ async def list_control_plane_faults(services: ServicesDep) -> dict[str, Any]:
 
 @router.delete(
     "/faults/{fault_id}",
+    dependencies=[AdminDep],
     summary="End this control plane's fault now (hyperpod-sim extension)",
     description="Ends a DatabaseOutage before its time; an unknown or ended fault is ResourceNotFound.",
     tags=["faults"],
@@ -731,8 +747,11 @@ def _aws_json_entry_doc() -> dict[str, Any]:
         "summary": "AWS JSON 1.1 entry point (boto3, AWS CLI, sagemaker-core)",
         "description": (
             "The SageMaker wire protocol. The operation is named by the `X-Amz-Target` header, "
-            "the body is the operation's input as JSON, timestamps are epoch seconds. SigV4 "
-            "signatures are accepted and not checked. Operations: "
+            "the body is the operation's input as JSON, timestamps are epoch seconds. With "
+            "credentials configured (HPSIM_AUTH__CREDENTIALS) every call must be SigV4-signed with "
+            "one of them (UnrecognizedClientException, InvalidSignatureException, "
+            "IncompleteSignature, MissingAuthenticationToken otherwise); without, signatures are "
+            "not checked. Operations: "
             + ", ".join(f"`{name}`" for name in sorted(OPERATIONS))
             + ". Errors: HTTP 400 (500/503 for service faults) with "
             '`{"__type": "<Code>", "message": "..."}`, which botocore raises as the modelled '
@@ -784,6 +803,16 @@ def install_openapi(app: FastAPI) -> None:
                 if shape is not None:
                     shapes.shape_to_json_schema(shape, components)
         schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        # The browser's way in (api/gate.py): Swagger UI's Authorize button sends the bearer token.
+        schema["components"]["securitySchemes"] = {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "hpsim1.<access key id>.<mac>: `hyperpod-sim auth-token` prints it "
+                "(docs/security.md). SigV4 (boto3, the AWS CLI) is accepted as well.",
+            }
+        }
+        schema["security"] = [{"bearer": []}]
         schema["paths"]["/"] = {"post": _aws_json_entry_doc()}
         app.openapi_schema = schema
         return schema

@@ -38,6 +38,7 @@ from domain.errors import (
 __all__ = [
     "camel",
     "operation_schemas",
+    "render",
     "serialize_output",
     "service_model",
     "shape_to_json_schema",
@@ -212,15 +213,19 @@ def _mismatch(path: str, expected: str, value: object) -> SerializationException
     )
 
 
-def _render(value: object) -> str:
-    if isinstance(value, str):
-        return value
+def render(value: object) -> str:
+    """A value as a message echoes it: strings as they are, other values as Python shows them,
+    either cut to 200 characters with an ellipsis ("...") so that a multi-megabyte value is never
+    echoed whole."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    text = repr(value)
+    text = value if isinstance(value, str) else repr(value)
     if len(text) > _RENDER_LIMIT:
         text = text[: _RENDER_LIMIT - 3] + "..."
     return text
+
+
+_render = render
 
 
 def _violation(value: object, path: str, constraint: str) -> str:
@@ -349,12 +354,16 @@ class _Validator:
     def string(self, shape: Any, value: str, path: str) -> None:
         metadata = shape.metadata
         low, high = metadata.get("min"), metadata.get("max")
+        too_long = False
         if low is not None and len(value) < low:
             self.errors.append(_violation(value, path, f"must have length greater than or equal to {low}"))
         if high is not None and len(value) > high:
+            too_long = True
             self.errors.append(_violation(value, path, f"must have length less than or equal to {high}"))
         pattern = metadata.get("pattern")
-        if pattern is not None and not pattern_matches(pattern, value):
+        # Past the maximum length the pattern is not tried (nor reported): a multi-megabyte value
+        # would cost the matcher memory and time for an answer that is already a refusal.
+        if pattern is not None and not too_long and not pattern_matches(pattern, value):
             self.errors.append(_violation(value, path, f"must satisfy regular expression pattern: {pattern}"))
         enum = shape.enum
         if enum and value not in enum:

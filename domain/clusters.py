@@ -133,16 +133,30 @@ def _encode_token(offset: int, scope: str) -> str:
 def _decode_token(token: str | None, scope: str) -> int:
     if not token:
         return 0
+    # Tokens come back from clients: anything but the exact shape we wrote is refused, however it
+    # fails to decode (not base64, not JSON, nested deep, a float like 1e400, a huge integer).
     try:
-        data = json.loads(base64.urlsafe_b64decode(token.encode()))
-        offset = int(data["o"])
-        if data["s"] != scope or offset < 0:
+        data = json.loads(base64.urlsafe_b64decode(token.encode()), parse_float=_no_float)
+        offset = data["o"]
+        if (
+            not isinstance(offset, int)
+            or isinstance(offset, bool)
+            or not 0 <= offset <= _MAX_OFFSET
+            or data["s"] != scope
+        ):
             raise ValueError
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
         raise ValidationException(
             "Invalid NextToken: pass the NextToken of the previous page of the same request."
         ) from exc
     return offset
+
+
+_MAX_OFFSET = 2**31
+
+
+def _no_float(text: str) -> float:
+    raise ValueError(text)
 
 
 def _paginate(items: Sequence[T], *, max_results: int | None, token: str | None, scope: str) -> Page[T]:

@@ -57,6 +57,47 @@ class SerializationException(AwsError):
     status = 400
 
 
+class PayloadTooLarge(SerializationException):
+    """A request body over the configured limit: AWS's code for a body it cannot take, with 413."""
+
+    status = 413
+
+
+class UnrecognizedClientException(AwsError):
+    """An access key id (or bearer token) the service does not know."""
+
+    code = "UnrecognizedClientException"
+    status = 400
+
+
+class InvalidSignatureException(AwsError):
+    """A SigV4 signature that does not match, or a request date outside the 5-minute window."""
+
+    code = "InvalidSignatureException"
+    status = 400
+
+
+class IncompleteSignature(AwsError):
+    """An Authorization header that is not a well-formed SigV4 (or bearer) credential."""
+
+    code = "IncompleteSignature"
+    status = 400
+
+
+class MissingAuthenticationToken(AwsError):
+    """No credentials at all on a request that needs them."""
+
+    code = "MissingAuthenticationToken"
+    status = 403
+
+
+class AccessDeniedException(AwsError):
+    """Authenticated, but not allowed this action (faults need an admin credential)."""
+
+    code = "AccessDeniedException"
+    status = 403
+
+
 class InternalFailure(AwsError):
     code = "InternalFailure"
     status = 500

@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hyperpod_sim.settings import Settings
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -24,6 +28,17 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings(**overrides)  # type: ignore[arg-type]
     if args.database_url is not None:
         settings.database.url = args.database_url
+    if not settings.auth.enabled and not _is_loopback(settings.host):
+        print(
+            f"hyperpod-sim serve: refusing to listen on {settings.host} without credentials: anyone "
+            "who can reach it could drive every cluster. Configure them, e.g.\n"
+            """  HPSIM_AUTH__CREDENTIALS='{"AKIDEXAMPLE": "a-long-random-secret"}'\n"""
+            """  HPSIM_AUTH__ADMIN_CREDENTIALS='{"AKIDADMIN": "another-secret"}'  (optional: faults)\n"""
+            "and sign with them (boto3, the AWS CLI, HyperPodClient); or listen on 127.0.0.1. "
+            "See docs/security.md.",
+            file=sys.stderr,
+        )
+        return 2
     embedded = None
     agent_env: dict[str, str] = {}
     if settings.s3.embedded and settings.s3.endpoint_url is None:
@@ -41,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
         app = create_app(settings, agent_env=agent_env)
         print(
             f"hyperpod-sim control plane on http://{settings.host}:{settings.port} "
-            f"(database: {settings.database_url()})",
+            f"(database: {settings.database_url()}; {_auth_line(settings)})",
             flush=True,
         )
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
@@ -49,6 +64,25 @@ def _serve(args: argparse.Namespace) -> int:
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def _auth_line(settings: Settings) -> str:
+    auth = settings.auth
+    if not auth.enabled:
+        return "auth off: loopback only, no credentials configured"
+    admins = f", {len(auth.admin_credentials)} admin" if auth.admin_credentials else ""
+    return f"auth on: {len(auth.credentials)} access key(s){admins}"
 
 
 _AGENT_FLAGS = (

@@ -237,7 +237,8 @@ def _client(args: argparse.Namespace) -> HyperPodClient:
     from sdk.client import HyperPodClient
 
     endpoint = args.endpoint_url or os.environ.get("HPSIM_ENDPOINT_URL") or DEFAULT_ENDPOINT
-    return HyperPodClient(endpoint)
+    # Credentials: the boto3 chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, --profile).
+    return HyperPodClient(endpoint, profile=getattr(args, "profile", None))
 
 
 def cluster_create(client: HyperPodClient, args: argparse.Namespace) -> int:
@@ -642,7 +643,28 @@ def _common() -> argparse.ArgumentParser:
         "--endpoint-url",
         help=f"the control plane (default: $HPSIM_ENDPOINT_URL, else {DEFAULT_ENDPOINT})",
     )
+    common.add_argument(
+        "--profile",
+        help="the AWS profile whose access key signs the calls (default: the boto3 chain: "
+        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE)",
+    )
     return common
+
+
+def auth_token(args: argparse.Namespace) -> int:
+    """Print the bearer token of the access key the other commands sign with."""
+    from sdk.auth import bearer_token, resolve_access_key
+
+    key = resolve_access_key(profile=args.profile)
+    if key is None:
+        print(
+            "error: NoCredentials: no access key found: set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE / --profile",
+            file=sys.stderr,
+        )
+        return 1
+    print(bearer_token(key.access_key_id, key.secret_access_key))
+    return 0
 
 
 def _wait_flags(parser: argparse.ArgumentParser, what: str) -> None:
@@ -850,3 +872,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     database.set_defaults(action=fault_database)
     for parser in (cluster, ckpt, fault):
         parser.set_defaults(func=run)
+    token = sub.add_parser(
+        "auth-token",
+        help="print the bearer token of your access key (for curl and the browser)",
+        description="The control plane's bearer token for the access key the other commands sign "
+        "with (the boto3 chain, or --profile): send it as 'Authorization: Bearer <token>'. It is "
+        "derived from the secret, so it changes when the secret does (docs/security.md).",
+    )
+    token.add_argument("--profile", help="the AWS profile (default: the boto3 chain)")
+    token.set_defaults(func=auth_token)

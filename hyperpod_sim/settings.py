@@ -113,6 +113,49 @@ class LimitSettings(BaseModel):
         "(ResourceLimitExceeded past it).",
     )
     max_clusters: int = Field(default=100, ge=1, description="Account limit on clusters.")
+    max_body_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="The largest request body the control plane reads (every route, the agents' "
+        "included); a larger one is refused with 413 SerializationException before it is read whole.",
+    )
+    max_json_depth: int = Field(
+        default=32,
+        ge=8,
+        description="How deep the arrays and objects of a request body may nest (every route); deeper "
+        "is refused with 400 SerializationException before the body is parsed.",
+    )
+
+
+class AuthSettings(BaseModel):
+    """Who may call the control plane (docs/security.md). No credentials: auth is off, which
+    ``serve`` allows on a loopback address only."""
+
+    credentials: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description="Access key id -> secret access key, as JSON: "
+        '\'{"AKIDEXAMPLE": "secret"}\'. Requests must be signed with one of them (SigV4, as boto3 '
+        "and the AWS CLI sign) or carry its bearer token (sdk.auth.bearer_token). Every route but "
+        "the agents' /agent/v1/* (cluster tokens), /health and the API documentation needs one.",
+    )
+    admin_credentials: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description="Access key id -> secret of the administrators, as JSON. They may do everything "
+        "the credentials may; once any is set, only they may inject and clear faults (cluster and "
+        "control-plane faults).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.credentials or self.admin_credentials)
+
+    def secret_for(self, access_key_id: str) -> tuple[str, bool] | None:
+        """(secret, is admin) of an access key id; None when it is not configured."""
+        if access_key_id in self.admin_credentials:
+            return self.admin_credentials[access_key_id].get_secret_value(), True
+        if access_key_id in self.credentials:
+            return self.credentials[access_key_id].get_secret_value(), False
+        return None
 
 
 class ReconcilerSettings(BaseModel):
@@ -137,6 +180,7 @@ class Settings(BaseSettings):
     reconciler: ReconcilerSettings = ReconcilerSettings()
     simulation: SimulationSettings = SimulationSettings()
     s3: S3Settings = S3Settings()
+    auth: AuthSettings = AuthSettings()
     public_url: str | None = Field(
         default=None,
         description="How agents reach the control plane. Default: http://{host}:{port} "

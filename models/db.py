@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -43,6 +44,21 @@ def _configure_sqlite(engine: Engine) -> None:
             conn.exec_driver_sql("BEGIN")
 
 
+def _owner_only(path: str | None) -> None:
+    """Create the SQLite file readable and writable by its owner only (0600), or make an existing
+    one so: it holds the clusters' tokens. SQLite gives its -wal and -shm files the same mode."""
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for suffix in ("-wal", "-shm", "-journal"):
+        if os.path.exists(path + suffix):
+            os.chmod(path + suffix, 0o600)
+
+
 class DatabaseUnreachable(Exception):
     """The driver-level cause of an injected outage (what a dropped connection raises)."""
 
@@ -76,6 +92,7 @@ class Database:
             kwargs["pool_pre_ping"] = True
         self.engine = create_engine(url, **kwargs)
         if self.is_sqlite:
+            _owner_only(self.engine.url.database)
             _configure_sqlite(self.engine)
         self._outage: Outage | None = None
         self._outage_lock = threading.Lock()

@@ -69,25 +69,42 @@ class HyperPodClient:
         *,
         region: str = "us-east-1",
         timeout_s: float = 30.0,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        profile: str | None = None,
+        bearer_token: str | None = None,
     ) -> None:
+        """Credentials (docs/security.md): ``access_key_id`` and ``secret_access_key`` if given,
+        else the usual boto3 chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``
+        or ``profile``, the shared files). Both the AWS operations (boto3) and the REST extensions
+        are signed with them (SigV4). With none found, a placeholder key signs: enough for a
+        control plane with auth off. ``bearer_token`` instead sends that token on the REST calls
+        (the AWS operations still need a key to sign)."""
         import boto3
         from botocore.config import Config
 
+        from sdk.auth import AccessKey, BearerAuth, SigV4Auth, resolve_access_key
+
         self.endpoint_url = endpoint_url.rstrip("/")
-        # The simulator does not check signatures; boto3 needs some credentials to sign with.
+        key = resolve_access_key(
+            access_key_id=access_key_id, secret_access_key=secret_access_key, profile=profile
+        ) or AccessKey("hpsim", "hpsim")
+        self.access_key_id = key.access_key_id
         self.sagemaker = boto3.client(
             "sagemaker",
             endpoint_url=self.endpoint_url,
             region_name=region,
-            aws_access_key_id="hpsim",
-            aws_secret_access_key="hpsim",
+            aws_access_key_id=key.access_key_id,
+            aws_secret_access_key=key.secret_access_key,
+            aws_session_token=key.session_token,
             config=Config(
                 retries={"max_attempts": 3, "mode": "standard"},
                 connect_timeout=timeout_s,
                 read_timeout=timeout_s,
             ),
         )
-        self._http = httpx.Client(base_url=self.endpoint_url, timeout=timeout_s, trust_env=False)
+        auth: httpx.Auth = BearerAuth(bearer_token) if bearer_token else SigV4Auth(key, region)
+        self._http = httpx.Client(base_url=self.endpoint_url, timeout=timeout_s, trust_env=False, auth=auth)
 
     def close(self) -> None:
         self._http.close()

@@ -358,9 +358,11 @@ def test_non_json_body_is_serialization_error(http: httpx.Client, content: bytes
 def test_query_parameter_of_wrong_type_is_400(http: httpx.Client) -> None:
     response = http.get("/clusters", params={"MaxResults": "abc"})
     assert response.status_code == 400
+    # A query string is text: one that is not an integer is a constraint violation (REST only).
     assert response.json() == {
-        "__type": "SerializationException",
-        "message": "Unexpected value type for 'maxResults': expected integer, got string",
+        "__type": "ValidationException",
+        "message": "1 validation error detected: Value 'abc' at 'maxResults' failed to satisfy "
+        "constraint: Member must be an integer (ASCII digits, at most 18)",
     }
 
 

@@ -23,6 +23,7 @@ from api.shapes import (
     camel,
     java_to_python_pattern,
     operation_schemas,
+    render,
     serialize_output,
     service_model,
     shape_to_json_schema,
@@ -931,7 +932,8 @@ def expected_violation(case: Case) -> tuple[Any, str]:
             assert BAD_ENUM not in shape.enum
             bad = BAD_ENUM
             phrase = "must satisfy enum value set: [" + ", ".join(shape.enum) + "]"
-        return bad, f"Value '{bad}' {at} {phrase}"
+        # Values over 200 characters are echoed cut, with an ellipsis (api.shapes.render).
+        return bad, f"Value '{render(bad)}' {at} {phrase}"
     if kind == "min":
         bad = meta["min"] - 1
         phrase = f"must have value greater than or equal to {meta['min']}"
