@@ -116,9 +116,9 @@ class RequestGate:
         return b"".join(chunks)
 
     def _too_large(self, size: int | None) -> PayloadTooLarge:
-        told = f" is {size} bytes," if size is not None else ""
+        told = f"is {size} bytes," if size is not None else "is"
         return PayloadTooLarge(
-            f"The request body{told} over the limit of {self.max_body_bytes} bytes "
+            f"The request body {told} over the limit of {self.max_body_bytes} bytes "
             "(HPSIM_LIMITS__MAX_BODY_BYTES)."
         )
 

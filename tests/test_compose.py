@@ -111,3 +111,27 @@ def test_control_plane_environment_parses(monkeypatch: pytest.MonkeyPatch) -> No
     assert settings.s3.endpoint_url == "http://minio:9000"
     assert settings.s3.embedded is False
     assert settings.provisioning.mode == "external"
+
+
+def test_the_control_plane_runs_with_auth_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It listens on the container network, which serve allows only with credentials; the agents
+    and the healthcheck use the routes the credentials do not cover."""
+    from api.gate import AGENT_PREFIX, OPEN_PATHS
+    from hyperpod_sim.cli import _is_loopback
+
+    for key in list(os.environ):
+        if key.startswith("HPSIM_"):
+            monkeypatch.delenv(key)
+    services = compose()["services"]
+    for key, value in services["control-plane"]["environment"].items():
+        monkeypatch.setenv(key, str(value))
+    settings = Settings()
+    assert not _is_loopback(settings.host)
+    assert settings.auth.enabled
+    assert settings.auth.credentials and settings.auth.admin_credentials
+    assert not set(settings.auth.credentials) & set(settings.auth.admin_credentials)
+    healthcheck = " ".join(services["control-plane"]["healthcheck"]["test"])
+    assert "http://127.0.0.1:8080/health" in healthcheck and "/health" in OPEN_PATHS
+    agent = " ".join(argv(services["agent"]))
+    assert "--control-plane http://control-plane:8080" in agent  # it calls /agent/v1/* only
+    assert AGENT_PREFIX == "/agent/"
