@@ -437,3 +437,62 @@ def test_health_docs_and_agent_routes_are_not_behind_the_credentials(control_pla
     assert response.status_code in (401, 403, 404)
     assert "error" in response.json()
     assert "__type" not in response.json()
+
+
+# ---------------------------------------------------------------------- hyperpod-sim's commands
+
+
+def hpsim(control_plane: ControlPlane, tmp_path: Path, key: str, secret: str, *args: str) -> Any:
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_CONFIG_FILE": str(tmp_path / "aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws-credentials"),
+    }
+    env.pop("AWS_PROFILE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "hyperpod_sim", *args, "--endpoint-url", control_plane.url],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def test_the_cli_signs_with_the_boto3_chain(control_plane: ControlPlane, tmp_path: Path) -> None:
+    client(control_plane, USER, USER_SECRET).create_cluster(ClusterName="shell", InstanceGroups=[group()])
+    listed = hpsim(control_plane, tmp_path, USER, USER_SECRET, "cluster", "nodes", "shell")  # REST
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.count("\n") == 3  # a header and two nodes
+    refused = hpsim(control_plane, tmp_path, USER, "wrong", "cluster", "list")  # boto3
+    assert (refused.returncode, refused.stdout) == (1, "")
+    assert refused.stderr == f"error: InvalidSignatureException: {BAD_SIGNATURE}\n"
+    refused = hpsim(control_plane, tmp_path, ADMIN, "wrong", "fault", "list", "shell")  # REST
+    assert refused.stderr == f"error: InvalidSignatureException: {BAD_SIGNATURE}\n"
+
+
+def test_auth_token_prints_the_bearer_token_of_the_chains_key(database_url: str, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": USER,
+        "AWS_SECRET_ACCESS_KEY": USER_SECRET,
+        "AWS_CONFIG_FILE": str(tmp_path / "aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws-credentials"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperpod_sim", "auth-token"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (
+        0,
+        bearer_token(USER, USER_SECRET) + "\n",
+        "",
+    )
