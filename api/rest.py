@@ -19,6 +19,7 @@ from fastapi.openapi.utils import get_openapi
 
 from api import shapes
 from api.deps import AdminDep, ServicesDep, as_aws_error, parse_json
+from api.gate import AGENT_PREFIX, OPEN_PATHS
 from api.operations import OPERATIONS, dispatch
 from domain.errors import (
     AwsError,
@@ -813,6 +814,10 @@ def install_openapi(app: FastAPI) -> None:
             }
         }
         schema["security"] = [{"bearer": []}]
+        for path, operations in schema["paths"].items():
+            if path in OPEN_PATHS or path.startswith(AGENT_PREFIX):  # outside the access keys
+                for operation in operations.values():
+                    operation["security"] = []
         schema["paths"]["/"] = {"post": _aws_json_entry_doc()}
         app.openapi_schema = schema
         return schema

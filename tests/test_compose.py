@@ -128,10 +128,12 @@ def test_the_control_plane_runs_with_auth_on(monkeypatch: pytest.MonkeyPatch) ->
     settings = Settings()
     assert not _is_loopback(settings.host)
     assert settings.auth.enabled
-    assert settings.auth.credentials and settings.auth.admin_credentials
+    assert settings.auth.credentials
+    assert settings.auth.admin_credentials
     assert not set(settings.auth.credentials) & set(settings.auth.admin_credentials)
     healthcheck = " ".join(services["control-plane"]["healthcheck"]["test"])
-    assert "http://127.0.0.1:8080/health" in healthcheck and "/health" in OPEN_PATHS
+    assert "http://127.0.0.1:8080/health" in healthcheck
+    assert "/health" in OPEN_PATHS
     agent = " ".join(argv(services["agent"]))
     assert "--control-plane http://control-plane:8080" in agent  # it calls /agent/v1/* only
     assert AGENT_PREFIX == "/agent/"
