@@ -171,6 +171,7 @@ def test_deep_json_to_the_agent_routes_answers_in_the_agent_protocol(
 def test_brackets_inside_strings_do_not_count(raw_sm: Any) -> None:
     assert json_depth(b'{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\\"[[[[["}') == 1
     assert json_depth(b"[[[]], {}]") == 3
+    assert json_depth(b'"[[[["') == 0
     with pytest.raises(raw_sm.exceptions.ClientError) as caught:
         raw_sm.create_cluster(ClusterName="[" * 60, InstanceGroups=[group()])
     assert caught.value.response["Error"]["Code"] == "ValidationException"
