@@ -32,6 +32,7 @@ from botocore.model import NoShapeFoundError, OperationNotFoundError
 from domain.errors import (
     SerializationException,
     UnknownOperationException,
+    echo,
     validation_error,
 )
 
@@ -48,7 +49,6 @@ __all__ = [
 _ROOT = "input"
 """How the top of a request is named in messages where AWS would name a member path."""
 
-_RENDER_LIMIT = 200
 _DESCRIPTION_LIMIT = 300
 
 
@@ -219,10 +219,7 @@ def render(value: object) -> str:
     echoed whole."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    text = value if isinstance(value, str) else repr(value)
-    if len(text) > _RENDER_LIMIT:
-        text = text[: _RENDER_LIMIT - 3] + "..."
-    return text
+    return echo(value if isinstance(value, str) else repr(value))
 
 
 _render = render

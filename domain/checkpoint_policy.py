@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from domain.errors import validation_error
+from domain.errors import echo, validation_error
 
 DEFAULT_IN_MEMORY_RETENTION = 3
 DEFAULT_REPLICATION_FACTOR = 1
@@ -85,16 +85,18 @@ def _integer(
         return None
     where = member[0].lower() + member[1:]
     if isinstance(value, bool) or not isinstance(value, int):
-        errors.append(f"Value '{value}' at '{where}' failed to satisfy constraint: Member must be an integer")
+        errors.append(
+            f"Value '{echo(value)}' at '{where}' failed to satisfy constraint: Member must be an integer"
+        )
         return None
     if value < low:
         errors.append(
-            f"Value '{value}' at '{where}' failed to satisfy constraint: "
+            f"Value '{echo(value)}' at '{where}' failed to satisfy constraint: "
             f"Member must have value greater than or equal to {low}"
         )
     elif high is not None and value > high:
         errors.append(
-            f"Value '{value}' at '{where}' failed to satisfy constraint: "
+            f"Value '{echo(value)}' at '{where}' failed to satisfy constraint: "
             f"Member must have value less than or equal to {high}"
         )
     return value
@@ -112,7 +114,7 @@ def parse_policy(body: object) -> CheckpointPolicy:
     uri = body.get("S3BaseUri")
     if uri is not None and (not isinstance(uri, str) or len(uri) > 1024 or not S3_URI.fullmatch(uri)):
         errors.append(
-            f"Value '{uri}' at 's3BaseUri' failed to satisfy constraint: Member must be an S3 URI "
+            f"Value '{echo(uri)}' at 's3BaseUri' failed to satisfy constraint: Member must be an S3 URI "
             "s3://bucket[/prefix] with a valid bucket name"
         )
     steps = _integer(body, "PersistEverySteps", errors, low=1)

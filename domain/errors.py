@@ -108,6 +108,16 @@ class ServiceUnavailable(AwsError):
     status = 503
 
 
+ECHO_LIMIT = 200
+
+
+def echo(value: object) -> str:
+    """A value as an error message quotes it, cut to 200 characters ending in "..." so that a
+    multi-megabyte value is never sent back whole."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= ECHO_LIMIT else text[: ECHO_LIMIT - 3] + "..."
+
+
 def validation_error(errors: list[str]) -> ValidationException:
     """Build one ValidationException from constraint messages, in AWS's phrasing."""
     count = len(errors)

@@ -55,7 +55,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from domain import events
 from domain.clock import Clock, Ids
-from domain.errors import ConflictException, ResourceNotFound, ValidationException, validation_error
+from domain.errors import ConflictException, ResourceNotFound, ValidationException, echo, validation_error
 from domain.events import Level
 from domain.lifecycle import ClusterStatus, NodeStatus
 from domain.provisioning import Provisioner
@@ -128,7 +128,8 @@ def _members_and_type(
         errors.append("Value null at 'type' failed to satisfy constraint: Member must not be null")
     elif kind not in types:
         errors.append(
-            f"Value '{kind}' at 'type' failed to satisfy constraint: Member must satisfy enum value set: "
+            f"Value '{echo(kind)}' at 'type' failed to satisfy constraint: "
+            "Member must satisfy enum value set: "
             f"[{', '.join(types)}]"
         )
     return errors, kind
@@ -164,7 +165,8 @@ def parse_fault(body: object) -> FaultSpec:
     instance_id = body.get("InstanceId")
     if instance_id is not None and (not isinstance(instance_id, str) or not 1 <= len(instance_id) <= 19):
         errors.append(
-            f"Value '{instance_id}' at 'instanceId' failed to satisfy constraint: Member must be a string "
+            f"Value '{echo(instance_id)}' at 'instanceId' failed to satisfy constraint: "
+            "Member must be a string "
             "of 1 to 19 characters"
         )
     duration = _integer(body, "DurationSeconds", errors, low=1, high=MAX_DURATION_S)
@@ -173,18 +175,19 @@ def parse_fault(body: object) -> FaultSpec:
     if rate is not None:
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate):
             errors.append(
-                f"Value '{rate}' at 'errorRate' failed to satisfy constraint: Member must be a number"
+                f"Value '{echo(rate)}' at 'errorRate' failed to satisfy constraint: Member must be a number"
             )
             rate = None
         elif not 0 < rate <= 1:
             errors.append(
-                f"Value '{rate}' at 'errorRate' failed to satisfy constraint: Member must have value greater "
+                f"Value '{echo(rate)}' at 'errorRate' failed to satisfy constraint: "
+                "Member must have value greater "
                 "than 0 and less than or equal to 1"
             )
     error_kind = body.get("ErrorKind")
     if error_kind is not None and error_kind not in ERROR_KINDS:
         errors.append(
-            f"Value '{error_kind}' at 'errorKind' failed to satisfy constraint: "
+            f"Value '{echo(error_kind)}' at 'errorKind' failed to satisfy constraint: "
             f"Member must satisfy enum value set: [{', '.join(ERROR_KINDS)}]"
         )
     if errors:
@@ -205,12 +208,14 @@ def _integer(body: dict[str, Any], member: str, errors: list[str], *, low: int, 
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         errors.append(
-            f"Value '{value}' at '{_where(member)}' failed to satisfy constraint: Member must be an integer"
+            f"Value '{echo(value)}' at '{_where(member)}' failed to satisfy constraint: "
+            "Member must be an integer"
         )
         return None
     if not low <= value <= high:
         errors.append(
-            f"Value '{value}' at '{_where(member)}' failed to satisfy constraint: Member must have value "
+            f"Value '{echo(value)}' at '{_where(member)}' failed to satisfy constraint: "
+            "Member must have value "
             f"between {low} and {high}"
         )
     return value

@@ -308,3 +308,42 @@ def test_an_echoed_value_is_cut_with_an_ellipsis(raw_sm: Any) -> None:
         "Message": f"1 validation error detected: Value '{'b' * 197}...' at 'clusterName' failed to satisfy "
         "constraint: Member must have length less than or equal to 256",
     }
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "member", "where", "constraint"),
+    [
+        (
+            "PUT",
+            "/clusters/c/checkpoint-policy",
+            "PersistEverySteps",
+            "persistEverySteps",
+            "Member must be an integer",
+        ),
+        (
+            "PUT",
+            "/clusters/c/checkpoint-policy",
+            "S3BaseUri",
+            "s3BaseUri",
+            "Member must be an S3 URI s3://bucket[/prefix] with a valid bucket name",
+        ),
+        ("POST", "/faults", "DurationSeconds", "durationSeconds", "Member must be an integer"),
+    ],
+)
+def test_the_extensions_echo_values_cut_too(
+    control_plane: ControlPlane, sm: Any, method: str, path: str, member: str, where: str, constraint: str
+) -> None:
+    sm.create_cluster(ClusterName="c", InstanceGroups=[group()])
+    control_plane.settle(sm, "c")
+    body: dict[str, Any] = {member: "z" * 500_000}
+    if path == "/faults":
+        body["Type"] = "DatabaseOutage"
+    if member == "S3BaseUri":
+        body["PersistEverySteps"] = 10
+    response = httpx.request(method, control_plane.url + path, json=body)
+    assert response.status_code == 400
+    assert response.json() == {
+        "__type": "ValidationException",
+        "message": f"1 validation error detected: Value '{'z' * 197}...' at '{where}' failed to satisfy "
+        f"constraint: {constraint}",
+    }
