@@ -19,6 +19,7 @@ The buffered body is then handed to the app as if it came from the socket.
 from __future__ import annotations
 
 import json
+import logging
 import operator
 import re
 import uuid
@@ -37,6 +38,8 @@ from domain.errors import (
     SerializationException,
     UnrecognizedClientException,
 )
+
+log = logging.getLogger(__name__)
 
 AMZ_JSON = "application/x-amz-json-1.1"
 OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
@@ -80,6 +83,8 @@ class RequestGate:
                     f"The request body nests JSON deeper than {self.max_json_depth} levels."
                 )
         except AwsError as error:
+            client = scope.get("client") or ("?", 0)
+            log.info("refused %s %s from %s: %s", scope["method"], path, client[0], error.code)
             await self._refuse(scope, send, error, aws_json=aws_json)
             return
         if principal is not None:

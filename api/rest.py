@@ -267,6 +267,12 @@ def _openapi_extra(route: Route) -> dict[str, Any]:
     return extra
 
 
+_UNAUTHORIZED = (
+    "With credentials configured (HPSIM_AUTH__CREDENTIALS): MissingAuthenticationToken, "
+    "UnrecognizedClientException or InvalidSignatureException (AWS error shape, docs/security.md)"
+)
+_TOO_LARGE = "SerializationException: the body is over HPSIM_LIMITS__MAX_BODY_BYTES"
+
 for _route in ROUTES:
     _output = shapes.service_model().operation_model(_route.operation).output_shape
     router.add_api_route(
@@ -293,8 +299,10 @@ for _route in ROUTES:
                 },
             },
             400: {"description": "ValidationException and other client errors (AWS error shape)"},
+            401: {"description": _UNAUTHORIZED},
             404: {"description": "ResourceNotFound"},
             409: {"description": "ResourceInUse or ConflictException"},
+            413: {"description": _TOO_LARGE},
         },
     )
 
@@ -556,6 +564,10 @@ FAULT_SCHEMA: dict[str, Any] = {
 }
 _FAULT_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "ValidationException naming each bad member (AWS error shape)"},
+    403: {
+        "description": "AccessDeniedException: once HPSIM_AUTH__ADMIN_CREDENTIALS is set, only those keys "
+        "may inject and clear faults"
+    },
     404: {"description": "ResourceNotFound: unknown cluster, node or fault"},
     409: {"description": "ConflictException: the cluster or node is not in a state to take the fault"},
 }
