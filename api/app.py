@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,6 +31,8 @@ from domain.reconciler import Reconciler, ReconcilerConfig
 from hyperpod_sim.settings import Settings
 from models import Database
 
+log = logging.getLogger(__name__)
+
 
 def build_services(
     settings: Settings,
@@ -45,7 +48,10 @@ def build_services(
     ids = ids or Ids()
     # Owner only: the data dir holds the SQLite database, and the database the cluster tokens.
     settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    settings.data_dir.chmod(0o700)
+    try:
+        settings.data_dir.chmod(0o700)
+    except PermissionError:  # not ours (a mounted volume): its owner decides
+        log.warning("cannot make the data dir %s owner-only (0700): it is not ours", settings.data_dir)
     db = Database(settings.database_url())
     db.migrate()
     provisioning = settings.provisioning

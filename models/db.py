@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -14,6 +15,8 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -52,11 +55,13 @@ def _owner_only(path: str | None) -> None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.fchmod(fd, 0o600)
+        for suffix in ("-wal", "-shm", "-journal"):
+            if os.path.exists(path + suffix):
+                os.chmod(path + suffix, 0o600)
+    except PermissionError:  # a file we may write but do not own: its owner decides
+        log.warning("cannot make the database %s owner-only (0600): it is not ours", path)
     finally:
         os.close(fd)
-    for suffix in ("-wal", "-shm", "-journal"):
-        if os.path.exists(path + suffix):
-            os.chmod(path + suffix, 0o600)
 
 
 class DatabaseUnreachable(Exception):
