@@ -11,6 +11,8 @@ COPY sdk sdk
 COPY hyperpod_sim hyperpod_sim
 RUN pip install --no-cache-dir '.[server]'
 
+# On 0.0.0.0 serve needs credentials (HPSIM_AUTH__CREDENTIALS, docs/security.md); it refuses to
+# start without them.
 ENV HPSIM_HOST=0.0.0.0 \
     HPSIM_PORT=8080 \
     HPSIM_DATA_DIR=/data
