@@ -465,7 +465,10 @@ def _copy_into(buffer: torch.Tensor, offset: int, payload: torch.Tensor | memory
             payload, non_blocking=payload.is_cuda
         )
     else:
-        buffer[offset : offset + length].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only record: only read from
+            source = torch.frombuffer(payload, dtype=torch.uint8)
+        buffer[offset : offset + length].copy_(source)
 
 
 def _result(item: WriteItem, rank: int, offset: int, length: int, payload: Any) -> WriteResult:
@@ -690,7 +693,11 @@ class TieredStorageReader(StorageReader):
         if remote is not None:
             yield remote
         if self.config.s3_tier_base_path:
-            direct = _read_s3(self.config, rank, step)
+            try:
+                direct = _read_s3(self.config, rank, step)
+            except Exception as exc:  # S3 unreachable, a marker that is not one, ...
+                self._reject(rank, step, "s3-direct", f"{type(exc).__name__}: {str(exc)[:300]}")
+                direct = None
             if direct is not None:
                 yield direct, "s3-direct"
 
@@ -748,7 +755,8 @@ def _assign(planner: LoadPlanner, item: Any, value: Any) -> None:
 
 def _read_s3(config: TieredCheckpointConfig, rank: int, step: int) -> bytes | None:
     """A shard straight from S3 (endpoint and credentials from the boto3 chain), checked against
-    the step's commit marker."""
+    the step's commit marker; None if there is none (or it does not match), an exception if S3
+    cannot be read."""
     import json
 
     from agents.s3objects import S3Objects, S3Target, ShardObject
@@ -765,9 +773,6 @@ def _read_s3(config: TieredCheckpointConfig, rank: int, step: int) -> bytes | No
             return None
         shard = next((d for d in json.loads(raw)["shards"] if d["rank"] == rank), None)
         return None if shard is None else objects.get_verified(target.bucket, ShardObject.from_doc(shard))
-    except Exception as exc:
-        log.warning("direct S3 read of rank %d step %d failed: %s", rank, step, exc)
-        return None
     finally:
         objects.close()
 
