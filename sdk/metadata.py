@@ -234,7 +234,8 @@ def _plain(value: Any, depth: int = 0) -> Any:
     ``{"dict": [[key, value], ...]}`` (keys of any plain type, order kept), ``{"odict": ...}``
     (``OrderedDict``), ``{"set": [...]}``, ``{"frozenset": [...]}``, ``{"bytes": base64}``,
     ``{"complex": [re, im]}``, ``{"dtype": "float32"}``, ``{"size": [...]}`` (``torch.Size``),
-    ``{"device": "cuda:0"}``."""
+    ``{"device": "cuda:0"}``, and NumPy arrays and scalars of numeric dtypes (``{"ndarray": [dtype,
+    shape, base64]}``, ``{"numpy": [dtype, base64]}``), as in a NumPy RNG state."""
     if depth > _MAX_DEPTH:
         raise NotPlain("nested too deep")
     kind = type(value)
@@ -261,7 +262,41 @@ def _plain(value: Any, depth: int = 0) -> Any:
         return {"size": [int(v) for v in value]}
     if kind is torch.device:
         return {"device": str(value)}
+    if kind.__module__ == "numpy":  # an array or a scalar of a numeric dtype (a NumPy RNG state)
+        import numpy as np
+
+        array = np.asarray(value)
+        if isinstance(value, np.ndarray | np.generic) and _numeric(array.dtype):
+            data = base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+            if isinstance(value, np.ndarray):
+                return {"ndarray": [array.dtype.str, list(array.shape), data]}
+            return {"numpy": [array.dtype.str, data]}
     raise NotPlain(f"{kind.__module__}.{kind.__qualname__}")
+
+
+def _numeric(dtype: Any) -> bool:
+    """A NumPy dtype of plain numbers (no objects, no fields): what ``_unplain`` rebuilds."""
+    return bool(dtype.kind in "biufc" and not dtype.hasobject and dtype.fields is None)
+
+
+def _numpy(tag: str, body: list[Any]) -> Any:
+    """A NumPy array or scalar from its dtype string and bytes; only numeric dtypes."""
+    try:
+        import numpy as np
+    except ImportError as exc:
+        raise UndecodableValue("a NumPy value, and NumPy is not installed") from exc
+    dtype = np.dtype(body[0]) if type(body[0]) is str else None
+    if dtype is None or not _numeric(dtype) or type(body[-1]) is not str:
+        raise UndecodableValue(f"not a numeric NumPy value: {str(body)[:80]}")
+    data = base64.b64decode(body[-1], validate=True)
+    if tag == "numpy":
+        if len(data) != dtype.itemsize:
+            raise UndecodableValue("a NumPy scalar of the wrong size")
+        return np.frombuffer(data, dtype=dtype)[0]
+    shape = body[1]
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise UndecodableValue("a NumPy array without a shape")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
 
 _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -309,6 +344,8 @@ def _unplain(doc: Any, depth: int = 0) -> Any:
         return torch.Size(items)
     if tag == "device" and type(body) is str:
         return torch.device(body)
+    if (tag, len(items or ())) in (("ndarray", 3), ("numpy", 2)):
+        return _numpy(tag, body)
     raise UndecodableValue(f"unknown or malformed tag {tag!r}")
 
 
@@ -329,7 +366,8 @@ def encode_value(value: Any, *, fqn: str = "?") -> bytes:
         raise TypeError(
             f"the state dict's value {fqn!r} ({type(value).__module__}.{type(value).__qualname__}) cannot "
             "be checkpointed: non-tensor values are stored as JSON (None, bool, int, float, str, bytes, "
-            "complex, list, tuple, dict, set, torch dtypes, sizes and devices) or as torch.save records "
+            "complex, list, tuple, dict, set, torch dtypes, sizes and devices, numeric NumPy arrays and "
+            "scalars) or as torch.save records "
             "that load with torch.load(weights_only=True); convert it to such values, or allow its type "
             f"with torch.serialization.add_safe_globals on the saving and the loading side ({exc})"
         ) from exc
