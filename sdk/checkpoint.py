@@ -592,11 +592,13 @@ class TieredStorageReader(StorageReader):
             f" (rejected: {'; '.join(reasons)})" if reasons else ""
         )
 
-    def _reject(self, rank: int, step: int, where: str, why: str) -> None:
+    def _reject(self, rank: int, step: int, where: str, why: str, *, integrity: bool = True) -> None:
+        """Record (and log) a copy not used: an integrity failure, or a tier that could not answer."""
         self.rejected.setdefault(rank, []).append(f"{where}: {why}")
+        kind = "integrity failure" if integrity else "unavailable"
         log.warning(
-            "integrity failure: %s copy of rank %d step %d of %r not used: %s",
-            where, rank, step, self.config.namespace, why,
+            "%s: %s copy of rank %d step %d of %r not used: %s",
+            kind, where, rank, step, self.config.namespace, why,
         )  # fmt: skip
 
     def _served(self, rank: int, tier: str) -> None:
@@ -687,8 +689,8 @@ class TieredStorageReader(StorageReader):
                     self._reject(rank, step, f"{found.tier} (this node, mapped)", "checksum mismatch")
         try:
             remote = self._client.get(self.config.namespace, rank, step)
-        except AgentError as exc:
-            self._reject(rank, step, "agent", str(exc))
+        except AgentError as exc:  # refused, unreachable, or a copy that arrived corrupted
+            self._reject(rank, step, "agent", str(exc), integrity="corrupted" in str(exc))
             remote = None
         if remote is not None:
             yield remote
@@ -696,7 +698,8 @@ class TieredStorageReader(StorageReader):
             try:
                 direct = _read_s3(self.config, rank, step)
             except Exception as exc:  # S3 unreachable, a marker that is not one, ...
-                self._reject(rank, step, "s3-direct", f"{type(exc).__name__}: {str(exc)[:300]}")
+                why = f"{type(exc).__name__}: {str(exc)[:300]}"
+                self._reject(rank, step, "s3-direct", why, integrity=False)
                 direct = None
             if direct is not None:
                 yield direct, "s3-direct"

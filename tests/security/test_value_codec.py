@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.distributed.checkpoint import save
+from torch.distributed.checkpoint import load, save
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from sdk.checkpoint import TieredCheckpointConfig, TieredStorageWriter
+from sdk.checkpoint import TieredCheckpointConfig, TieredStorageReader, TieredStorageWriter
 from sdk.metadata import VALUE_MAGIC, UndecodableValue, decode_value, encode_value
 from tests.security.fake_agent import FakeAgent
 
@@ -135,3 +136,22 @@ def test_pickles_never_run(tmp_path: Path) -> None:
         with pytest.raises(UndecodableValue, match=re.escape("refused by torch.load(weights_only=True)")):
             decode_value(record)
     assert not marker.exists()
+
+
+class UnpicklingPlanner(DefaultLoadPlanner):
+    """A planner that hands value bytes to torch.load(weights_only=False), as DCP's own once did."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise AssertionError("never called: the reader refuses such a planner before reading")
+
+
+def test_a_planner_that_would_unpickle_values_is_refused() -> None:
+    with FakeAgent() as fake:
+        config = TieredCheckpointConfig("job", 1, agent_url=fake.url, fast_path=False)
+        save({"w": torch.ones(2), "step": 4}, storage_writer=TieredStorageWriter(config, step=1))
+        state: dict[str, Any] = {"w": torch.zeros(2), "step": 0}
+        with pytest.raises((TypeError, CheckpointException), match="UnpicklingPlanner overrides load_bytes"):
+            load(state, storage_reader=TieredStorageReader(config, step=1), planner=UnpicklingPlanner())
+        load(state, storage_reader=TieredStorageReader(config, step=1))  # DCP's default planner
+    assert state["step"] == 4
+    assert torch.equal(state["w"], torch.ones(2))
