@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     workdir = Path(tempfile.mkdtemp(prefix="hpsim-bench-ckpt-"))
     shm_root = Path(f"/dev/shm/hpsim-bench-ckpt-{os.getpid()}")
+    os.environ["HPSIM_SIMULATION__SHM_ROOT"] = str(shm_root)  # the SDK here maps only under it
     # Budget: the instance's memory x 20 % x scale; hold the largest state ~6 times (retention,
     # the rotation's spare, the HTTP path's namespace and the library's).
     scale = max(sizes) * MIB * 8 / (2048 * 1024**3 * 0.2)

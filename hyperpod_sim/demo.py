@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="hpsim-demo-"))
     shm_root = Path(f"/dev/shm/hpsim-demo-{os.getpid()}")
+    os.environ["HPSIM_SIMULATION__SHM_ROOT"] = str(shm_root)  # the trainers map only under it
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {

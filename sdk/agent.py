@@ -8,17 +8,24 @@ save of the same rank and names it by a buffer id, so the trainer keeps its mapp
 and, once the rotation has gone round, writes into pages that are already mapped. Reads map the
 agent's copy read-only and verify its checksum. When the agent's files cannot be opened (another
 host, another container), everything goes over HTTP.
+
+Nothing an agent answers is trusted: the SDK maps only a regular file under the shared-memory root
+it was configured with (``shm_root``, else ``HPSIM_SIMULATION__SHM_ROOT``, else the agents'
+default ``/dev/shm/hpsim``), reached from that root without following a symbolic link, with one
+link and exactly the size expected (``open_shared``); for anything else it logs why and uses HTTP.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import functools
 import json
 import logging
 import mmap
 import os
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -35,6 +42,7 @@ log = logging.getLogger(__name__)
 # namespaces or ranks per process need a few more.
 MAX_MAPPINGS = 16
 CHUNK = 1 << 20  # request bodies go out in pieces of this size
+DEFAULT_SHM_ROOT = "/dev/shm/hpsim"  # where agents keep their shards unless configured otherwise
 
 
 class AgentError(Exception):
@@ -44,6 +52,67 @@ class AgentError(Exception):
         super().__init__(message)
         self.status = status
         self.code = code
+
+
+class UntrustedPath(Exception):
+    """A file an agent named that this client will not map (outside its root, a link, not a
+    regular file, another size)."""
+
+
+def shm_root_from(environ: dict[str, str] | None = None) -> str:
+    """The shared-memory root to trust: ``HPSIM_SIMULATION__SHM_ROOT`` (what the control plane
+    lays its nodes' directories under), else ``/dev/shm/hpsim``."""
+    env = os.environ if environ is None else environ
+    return env.get("HPSIM_SIMULATION__SHM_ROOT") or DEFAULT_SHM_ROOT
+
+
+def open_shared(root: str | os.PathLike[str], path: object, *, size: int, writable: bool) -> int:
+    """A descriptor of ``path``, which an agent named, if it is a regular file below ``root`` with a
+    single link and exactly ``size`` bytes, opened from ``root`` one component at a time with
+    ``O_NOFOLLOW`` (so no symbolic link below the root is followed, and none can be swapped in
+    meanwhile) and ``O_NONBLOCK`` (a FIFO cannot hang the open). The root itself is the caller's
+    own configuration and is taken as it is. UntrustedPath when the file is not one to map;
+    OSError when it cannot be opened (another host's path)."""
+    if not isinstance(path, str) or not os.path.isabs(path) or "\x00" in path:
+        raise UntrustedPath(f"{str(path)[:200]!r} is not an absolute path")
+    configured = os.path.normpath(os.path.abspath(os.fspath(root)))
+    for base in dict.fromkeys((configured, os.path.realpath(configured))):
+        if path.startswith(base.rstrip(os.sep) + os.sep):
+            break
+    else:
+        raise UntrustedPath(f"{path[:200]!r} is not under the shared-memory root {configured}")
+    parts = path[len(base.rstrip(os.sep)) + 1 :].split(os.sep)
+    if any(part in ("", ".", "..") for part in parts):
+        raise UntrustedPath(f"{path[:200]!r} is not a plain path below {base}")
+    directory = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            below = os.open(part, flags, dir_fd=directory)
+            os.close(directory)
+            directory = below
+        mode = os.O_RDWR if writable else os.O_RDONLY
+        fd = os.open(
+            parts[-1], mode | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=directory
+        )
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UntrustedPath(f"{path[:200]!r} is or passes through a symbolic link") from exc
+        raise
+    finally:
+        os.close(directory)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UntrustedPath(f"{path[:200]!r} is not a regular file")
+        if info.st_nlink != 1:
+            raise UntrustedPath(f"{path[:200]!r} has {info.st_nlink} hard links")
+        if info.st_size != size:
+            raise UntrustedPath(f"{path[:200]!r} holds {info.st_size} bytes, not the {size} expected")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def checksum(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
@@ -80,7 +149,7 @@ def discover_agent_url(environ: dict[str, str] | None = None) -> str:
 class _Mapping:
     mapping: mmap.mmap
     size: int
-    inode: int  # of the file mapped: a cached mapping is reused only for that same file
+    inode: tuple[int, int]  # device and inode of the file mapped: reused only for that same file
     pinned: bool = False  # registered with CUDA as page-locked host memory
 
 
@@ -96,14 +165,24 @@ class FastWrite:
 
 
 class AgentClient:
-    def __init__(self, base_url: str, *, fast_path: bool = True, timeout_s: float = 600.0) -> None:
+    """``shm_root``: the only directory whose files the fast path maps (default: ``shm_root_from()``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        fast_path: bool = True,
+        timeout_s: float = 600.0,
+        shm_root: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.fast_path = fast_path
+        self.shm_root = os.fspath(shm_root) if shm_root is not None else shm_root_from()
         self._http = httpx.Client(
             base_url=self.base_url, timeout=httpx.Timeout(10.0, read=timeout_s), trust_env=False
         )
         self._mappings: OrderedDict[str, _Mapping] = OrderedDict()
-        self._read_maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._read_maps: OrderedDict[str, tuple[mmap.mmap, tuple[int, int]]] = OrderedDict()
         self._namespaces: dict[str, dict[str, Any]] = {}  # known to exist (a save per step asks once)
         self._lock = threading.Lock()
 
@@ -112,7 +191,7 @@ class AgentClient:
             for entry in self._mappings.values():
                 _unmap(entry)
             self._mappings.clear()
-            for mapping in self._read_maps.values():
+            for mapping, _ in self._read_maps.values():
                 with contextlib.suppress(BufferError):
                     mapping.close()
             self._read_maps.clear()
@@ -209,44 +288,57 @@ class AgentClient:
         )
         if response.status_code != 200:
             raise self._fail(response, f"reservation for rank {rank} step {step}")
-        doc = response.json()
         try:
-            entry = self._writable(doc["buffer_id"], doc["path"], size)
-        except OSError as exc:
-            log.info("the agent's shared memory is not reachable from here (%s); saving over HTTP", exc)
+            doc = response.json()
+            token, buffer_id, path = str(doc["token"]), str(doc["buffer_id"]), doc["path"]
+            if int(doc.get("size", size)) != size:
+                raise UntrustedPath(f"the agent reserved {doc['size']} bytes, not the {size} asked for")
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("the agent's reservation answer is malformed (%s); saving over HTTP", exc)
             self.fast_path = False
-            self.abort(doc["token"])
+            return None
+        try:
+            entry = self._writable(buffer_id, path, size)
+        except (OSError, UntrustedPath) as exc:
+            if isinstance(exc, UntrustedPath):
+                log.warning("the agent's reservation names a file not to map (%s); saving over HTTP", exc)
+            else:
+                log.info("the agent's shared memory is not reachable from here (%s); saving over HTTP", exc)
+            self.fast_path = False
+            self.abort(token)
             return None
         view = memoryview(entry.mapping)[:size] if size else memoryview(bytearray())
-        return FastWrite(doc["token"], size, doc["buffer_id"], view, lambda: _pin_for_cuda(entry))
+        return FastWrite(token, size, buffer_id, view, lambda: _pin_for_cuda(entry))
 
-    def _writable(self, buffer_id: str, path: str, size: int) -> _Mapping:
-        """The cached mapping of a buffer, or a new one (the file is exactly ``size`` bytes now).
-        A cached mapping is reused only when it maps the very file reserved (same inode): writing
-        into another file would commit that file's old bytes under a fresh checksum."""
-        inode = os.stat(path).st_ino
-        with self._lock:
-            entry = self._mappings.get(buffer_id)
-            if entry is not None and entry.size == size and entry.inode == inode:
-                self._mappings.move_to_end(buffer_id)
-                return entry
-            if entry is not None:
-                _unmap(self._mappings.pop(buffer_id))
-            fd = os.open(path, os.O_RDWR)
-            try:
+    def _writable(self, buffer_id: str, path: object, size: int) -> _Mapping:
+        """The cached mapping of a buffer, or a new one, of the file the agent reserved, once
+        ``open_shared`` has found it one to map (exactly ``size`` bytes now). A cached mapping is
+        reused only when it maps that very file (same device and inode): writing into another
+        file would commit that file's old bytes under a fresh checksum."""
+        fd = open_shared(self.shm_root, path, size=size, writable=True)
+        try:
+            info = os.fstat(fd)
+            inode = (info.st_dev, info.st_ino)
+            with self._lock:
+                entry = self._mappings.get(buffer_id)
+                if entry is not None and entry.size == size and entry.inode == inode:
+                    self._mappings.move_to_end(buffer_id)
+                    return entry
+                if entry is not None:
+                    _unmap(self._mappings.pop(buffer_id))
                 populate = getattr(mmap, "MAP_POPULATE", 0)
                 mapping = (
                     mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | populate)
                     if size
                     else mmap.mmap(-1, 1)
                 )
-            finally:
-                os.close(fd)
-            entry = _Mapping(mapping, size, inode)
-            self._mappings[buffer_id] = entry
-            while len(self._mappings) > MAX_MAPPINGS:
-                _unmap(self._mappings.popitem(last=False)[1])
-            return entry
+                entry = _Mapping(mapping, size, inode)
+                self._mappings[buffer_id] = entry
+                while len(self._mappings) > MAX_MAPPINGS:
+                    _unmap(self._mappings.popitem(last=False)[1])
+                return entry
+        finally:
+            os.close(fd)
 
     def commit(self, write: FastWrite, *, size: int | None = None) -> dict[str, Any]:
         """Make the first ``size`` bytes written (default: all) the shard; the agent hashes them."""
@@ -277,41 +369,50 @@ class AgentClient:
         response = self._call("GET", f"/v1/fast/shards/{quote(namespace, safe='')}/{rank}/{step}")
         if response.status_code != 200:
             return None
-        doc = response.json()
-        release = functools.partial(self._release, doc["lease"])
         try:
-            mapping = self._readable(doc["buffer_id"], doc["path"], int(doc["size"]))
+            doc = response.json()
+            release = functools.partial(self._release, str(doc["lease"]))
+            buffer_id, path, size = str(doc["buffer_id"]), doc["path"], int(doc["size"])
+            tier, expected = str(doc.get("tier", "memory")), str(doc["checksum"])
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("the agent's answer locating a shard is malformed (%s); reading over HTTP", exc)
+            return None
+        try:
+            mapping = self._readable(buffer_id, path, size) if size > 0 else None
+        except UntrustedPath as exc:
+            log.warning("the agent names a file not to read from (%s); reading over HTTP", exc)
+            self.fast_path = False
+            mapping = None
         except OSError:
-            release()
-            return None  # another host's path
+            mapping = None  # another host's path
         if mapping is None:
             release()
             return None
-        return LocalCopy(
-            memoryview(mapping)[: doc["size"]], str(doc.get("tier", "memory")), str(doc["checksum"]), release
-        )
+        return LocalCopy(memoryview(mapping)[:size], tier, expected, release)
 
-    def _readable(self, buffer_id: str, path: str, size: int) -> mmap.mmap | None:
-        with self._lock:
-            cached = self._read_maps.get(buffer_id)
-            if cached is not None and len(cached) == size:
-                self._read_maps.move_to_end(buffer_id)
-                return cached
-            if cached is not None:
-                with contextlib.suppress(BufferError):
-                    self._read_maps.pop(buffer_id).close()
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                if os.fstat(fd).st_size != size or not size:
-                    return None
+    def _readable(self, buffer_id: str, path: object, size: int) -> mmap.mmap:
+        """A read-only mapping of the agent's copy, once ``open_shared`` has found it one to map;
+        a cached one when it maps that very file (same device and inode)."""
+        fd = open_shared(self.shm_root, path, size=size, writable=False)
+        try:
+            info = os.fstat(fd)
+            inode = (info.st_dev, info.st_ino)
+            with self._lock:
+                cached = self._read_maps.get(buffer_id)
+                if cached is not None and cached[1] == inode and len(cached[0]) == size:
+                    self._read_maps.move_to_end(buffer_id)
+                    return cached[0]
+                if cached is not None:
+                    with contextlib.suppress(BufferError):
+                        self._read_maps.pop(buffer_id)[0].close()
                 mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-            finally:
-                os.close(fd)
-            self._read_maps[buffer_id] = mapping
-            while len(self._read_maps) > MAX_MAPPINGS:
-                with contextlib.suppress(BufferError):
-                    self._read_maps.popitem(last=False)[1].close()
-            return mapping
+                self._read_maps[buffer_id] = (mapping, inode)
+                while len(self._read_maps) > MAX_MAPPINGS:
+                    with contextlib.suppress(BufferError):
+                        self._read_maps.popitem(last=False)[1][0].close()
+                return mapping
+        finally:
+            os.close(fd)
 
     def _release(self, lease: str) -> None:
         with contextlib.suppress(AgentError):  # else the lease runs out at the agent

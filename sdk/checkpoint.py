@@ -7,10 +7,18 @@ Names as in ``amzn-sagemaker-checkpointing`` (docs/sdk.md has them side by side)
 older ones.
 
 One shard per rank per step, in the agent's memory: the rank's tensors as raw bytes (C order,
-64-byte aligned) followed by its non-tensor values (as DCP's planner serializes them). The
-metadata (JSON, ``sdk/metadata.py``: nothing is unpickled on load) is the namespace's last rank,
+64-byte aligned) followed by its non-tensor values, each a record of ``sdk.metadata.encode_value``
+(JSON, or for what JSON cannot hold a ``torch.save`` record that loads with
+``weights_only=True``). The metadata (JSON, ``sdk/metadata.py``) is the namespace's last rank,
 written by the coordinator once every rank's shard is committed: a step is complete, and listed
 by ``latest``, only then.
+
+Loading runs no code from a tier: DCP's default planner would load non-tensor values with
+``torch.load(weights_only=False)``; the reader decodes them itself (``decode_value``) and never
+hands them to ``load_bytes``. Every copy's checksum is verified before a byte of it is decoded
+(for a mapped copy, the value records are copied out and hashed as part of the shard); a copy
+that fails either check is an integrity failure, and the reader moves on to the next copy, then
+``load_latest`` to an older step; ``reader.rejected`` and ``Loaded.rejected`` / ``skipped`` say why.
 
 ``async_save``: the writer is its own DCP stager. ``stage`` reserves the rank's shard in the
 agent's shared memory and copies every tensor into it (device-to-host directly for CUDA tensors,
@@ -21,6 +29,7 @@ call ``TieredStorageWriter.flush()``) before exiting.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import logging
@@ -34,8 +43,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._traverse import set_element, traverse_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -51,25 +63,31 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from sdk import metadata as codec
-from sdk.agent import AgentClient, AgentError, FastWrite, checksum, discover_agent_url
-from sdk.metadata import ShardRef
+from sdk.agent import AgentClient, AgentError, FastWrite, checksum, discover_agent_url, shm_root_from
+from sdk.metadata import ShardRef, UndecodableValue
 
 log = logging.getLogger(__name__)
 
 ALIGN = 64
 _STEP_ID = re.compile(r"(?:^|/)step_(\d+)/?$")
-_clients: dict[tuple[str, bool], AgentClient] = {}
+_clients: dict[tuple[str, bool, str], AgentClient] = {}
 
 
 class CheckpointNotFound(FileNotFoundError):
     """No complete step could be loaded from any tier."""
 
 
-def client_for(url: str, *, fast_path: bool = True) -> AgentClient:
+class IntegrityError(ValueError):
+    """A copy of a shard not to use: its checksum does not match, a value in it does not decode,
+    or its metadata places an item outside it. The reader moves on to another copy."""
+
+
+def client_for(url: str, *, fast_path: bool = True, shm_root: str | None = None) -> AgentClient:
     """One client per agent URL and process, so mapped buffers are reused from step to step."""
-    key = (url, fast_path)
+    root = shm_root or shm_root_from()
+    key = (url, fast_path, root)
     if key not in _clients:
-        _clients[key] = AgentClient(url, fast_path=fast_path)
+        _clients[key] = AgentClient(url, fast_path=fast_path, shm_root=root)
     return _clients[key]
 
 
@@ -82,6 +100,8 @@ class TieredCheckpointConfig:
     ``sdk.agent.discover_agent_url``). ``s3_tier_base_path``: the cluster's S3 base URI; when set,
     a reader whose agent has no good copy reads committed steps from S3 directly. ``fast_path``:
     write and read the agent's shared memory directly when it is reachable from this process.
+    ``shm_root``: the only directory whose files the fast path maps (default
+    ``HPSIM_SIMULATION__SHM_ROOT``, else ``/dev/shm/hpsim``; see ``sdk.agent.open_shared``).
     """
 
     namespace: str
@@ -90,10 +110,13 @@ class TieredCheckpointConfig:
     s3_tier_base_path: str = ""
     steps_retained: int = 3
     fast_path: bool = True
+    shm_root: str | None = None
     logger: logging.Logger | None = field(default=None, repr=False)
 
     def client(self) -> AgentClient:
-        return client_for(self.agent_url or discover_agent_url(), fast_path=self.fast_path)
+        return client_for(
+            self.agent_url or discover_agent_url(), fast_path=self.fast_path, shm_root=self.shm_root
+        )
 
     @property
     def metadata_rank(self) -> int:
@@ -158,6 +181,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self._client = checkpoint_config.client()
         self._staged: _Staged | None = None
+        self._records: dict[str, bytes] = {}  # fqn -> its value's record, encoded when staged
         self._namespace_ready = False
         self.stage_seconds = 0.0  # how long stage() blocked (what async_save costs the trainer)
 
@@ -227,8 +251,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 end = _aligned(end)
                 offsets[id(tensor)] = end
                 end += tensor.numel() * tensor.element_size()
-        # Room for the non-tensor values, as the planner will serialize them.
-        extra = sum(_serialized_size(leaf) + ALIGN for leaf in leaves if not isinstance(leaf, torch.Tensor))
+        # The non-tensor values, encoded now (a snapshot, as DCP's stager takes), and room for them.
+        self._records = _value_records(state_dict)
+        extra = sum(len(record) + ALIGN for record in self._records.values())
         rank = self.rank = _rank()
         write = self._client.reserve(self.config.namespace, rank, self.step, _aligned(end) + extra + ALIGN)
         if write is None:  # no fast path: stage into process memory, as DCP does by default
@@ -284,7 +309,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         assert self.step is not None
-        items: list[tuple[WriteItem, Any]] = [(item, planner.resolve_data(item)) for item in plan.items]
+        items: list[tuple[WriteItem, Any]] = [(item, self._data(item, planner)) for item in plan.items]
+        self._records = {}
         staged = self._staged
         self._staged = None
         if staged is not None:
@@ -359,6 +385,24 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._client.abort(write.token)
         return None
 
+    def _data(self, item: WriteItem, planner: SavePlanner) -> Any:
+        return (
+            self._record(item, planner) if item.type == WriteItemType.BYTE_IO else planner.resolve_data(item)
+        )
+
+    def _record(self, item: WriteItem, planner: SavePlanner) -> bytes:
+        """A non-tensor value's record (``sdk.metadata.encode_value``), never DCP's ``torch.save``."""
+        fqn = item.index.fqn
+        if fqn in self._records:
+            return self._records[fqn]
+        lookup = getattr(planner, "lookup_object", None)
+        if lookup is not None:  # DefaultSavePlanner and its subclasses: the value itself
+            value = lookup(item.index)
+        else:  # a planner of its own: the torch.save bytes it made in this process, back to a value
+            data = planner.resolve_data(item)
+            value = torch.load(data, weights_only=True) if isinstance(data, io.BytesIO) else data
+        return codec.encode_value(value, fqn=fqn)
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The coordinator writes the metadata, once every rank's shard is committed."""
         assert self.step is not None
@@ -370,10 +414,18 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._client.put(self.config.namespace, self.config.metadata_rank, self.step, codec.encode(metadata))
 
 
-def _serialized_size(value: Any) -> int:
-    stream = io.BytesIO()
-    torch.save(value, stream)
-    return stream.tell()
+def _value_records(state_dict: dict[str, Any]) -> dict[str, bytes]:
+    """The record of every non-tensor value, by the fqn DCP's planner gives it (it flattens the
+    state dict with this same traversal)."""
+    records: dict[str, bytes] = {}
+
+    def visit(path: tuple[str | int, ...], value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            fqn = ".".join(map(str, path))
+            records[fqn] = codec.encode_value(value, fqn=fqn)
+
+    traverse_state_dict(state_dict, visit)
+    return records
 
 
 def _map_tensors(obj: Any, fn: Any) -> Any:
@@ -394,9 +446,7 @@ def _map_tensors(obj: Any, fn: Any) -> Any:
 
 def _payload(item: WriteItem, data: Any) -> torch.Tensor | memoryview:
     if item.type == WriteItemType.BYTE_IO:
-        if isinstance(data, io.BytesIO):
-            return data.getbuffer()
-        return memoryview(bytes(data))
+        return memoryview(data)  # a record of sdk.metadata.encode_value
     tensor: torch.Tensor = data.detach()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
@@ -415,7 +465,10 @@ def _copy_into(buffer: torch.Tensor, offset: int, payload: torch.Tensor | memory
             payload, non_blocking=payload.is_cuda
         )
     else:
-        buffer[offset : offset + length].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only record: only read from
+            source = torch.frombuffer(payload, dtype=torch.uint8)
+        buffer[offset : offset + length].copy_(source)
 
 
 def _result(item: WriteItem, rank: int, offset: int, length: int, payload: Any) -> WriteResult:
@@ -428,7 +481,8 @@ def _result(item: WriteItem, rank: int, offset: int, length: int, payload: Any) 
 
 class TieredStorageReader(StorageReader):
     """DCP storage reader (``SageMakerTieredStorageReader``'s counterpart): a given step, or the
-    newest complete one. ``served_by`` tells, per rank shard read, which tier served it."""
+    newest complete one. ``served_by`` tells, per rank shard read, which tier served it;
+    ``rejected``, per rank, every copy not used and why (``"memory: checksum mismatch"``)."""
 
     def __init__(self, checkpoint_config: TieredCheckpointConfig, step: int | None = None) -> None:
         super().__init__()
@@ -437,6 +491,8 @@ class TieredStorageReader(StorageReader):
         self._client = checkpoint_config.client()
         self.storage_data: dict[MetadataIndex, ShardRef] = {}
         self.served_by: dict[int, str] = {}
+        self.rejected: dict[int, list[str]] = {}
+        self.failure: str | None = None  # why the last read failed
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         step = step_of(checkpoint_id)
@@ -452,18 +508,21 @@ class TieredStorageReader(StorageReader):
             [self.step] if self.step is not None else self._client.latest(self.config.namespace, limit=10)
         )
         problems = []
+        rank = self.config.metadata_rank
         for step in candidates:
-            try:
-                data = self._read_shard(self.config.metadata_rank, step)[0]
-                metadata = codec.decode(data)
-            except (AgentError, ValueError, CheckpointNotFound) as exc:
-                problems.append(f"step {step}: {exc}")
-                continue
-            self.step = step
-            return metadata
-        raise CheckpointNotFound(
+            for data, tier in self._copies(rank, step, local=True):
+                try:
+                    metadata = codec.decode(data)
+                except ValueError as exc:
+                    self._reject(rank, step, tier, str(exc))
+                    continue
+                self.step = step
+                return metadata
+            problems.append(f"step {step}: {self._no_copy(rank, step)}")
+        self.failure = (
             f"no loadable step of namespace {self.config.namespace!r}: {'; '.join(problems) or 'none saved'}"
         )
+        raise CheckpointNotFound(self.failure)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -482,71 +541,139 @@ class TieredStorageReader(StorageReader):
             self._read(plan, planner)
             future.set_result(None)
         except Exception as exc:
+            self.failure = str(exc)
             future.set_exception(exc)  # type: ignore[arg-type]
         return future
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         assert self.step is not None
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items) and not _assigns_values(planner):
+            raise TypeError(
+                f"{type(planner).__name__} overrides load_bytes: the tiered reader decodes non-tensor "
+                "values itself (never with torch.load(weights_only=False)) and assigns them as "
+                "DefaultLoadPlanner does; use a planner that keeps DefaultLoadPlanner.load_bytes"
+            )
         by_rank: dict[int, list[Any]] = {}
         for item in plan.items:
             by_rank.setdefault(self.storage_data[item.storage_index].rank, []).append(item)
         for rank, items in sorted(by_rank.items()):
-            local = self._client.read_local(self.config.namespace, rank, self.step)
-            if local is not None:
-                try:
-                    self._apply(items, local.view, planner)
-                    good = checksum(local.view) == local.checksum
-                finally:
-                    with contextlib.suppress(BufferError):  # a view of it still alive: harmless
-                        local.view.release()
-                    local.release()
-                if good:
-                    self._served(rank, local.tier)
-                    continue
-                log.warning(
-                    "this node's copy of rank %d step %d failed its checksum; reading it again",
-                    rank,
-                    self.step,
-                )
-            data, tier = self._read_shard(rank, self.step, local=False)
-            self._apply(items, data, planner)
+            self._read_rank(rank, self.step, items, planner)
+
+    def _read_rank(self, rank: int, step: int, items: list[Any], planner: LoadPlanner) -> None:
+        """Apply a rank's items from the first copy that is intact: this node's copy, mapped (its
+        checksum verified before anything in it is decoded), then the others ``_copies`` yields."""
+        local = self._client.read_local(self.config.namespace, rank, step)
+        if local is not None:
+            where = f"{local.tier} (this node, mapped)"
+            try:
+                self._apply(items, local.view, planner, expected=local.checksum)
+            except IntegrityError as exc:
+                self._reject(rank, step, where, str(exc))
+            else:
+                self._served(rank, local.tier)
+                return
+            finally:
+                with contextlib.suppress(BufferError):  # a view of it still alive: harmless
+                    local.view.release()
+                local.release()
+        for data, tier in self._copies(rank, step, local=False):
+            try:
+                self._apply(items, data, planner)
+            except IntegrityError as exc:
+                self._reject(rank, step, tier, str(exc))
+                continue
             self._served(rank, tier)
+            return
+        raise CheckpointNotFound(self._no_copy(rank, step))
+
+    def _no_copy(self, rank: int, step: int) -> str:
+        reasons = self.rejected.get(rank, [])
+        return f"rank {rank} of step {step} of {self.config.namespace!r}: no good copy in any tier" + (
+            f" (rejected: {'; '.join(reasons)})" if reasons else ""
+        )
+
+    def _reject(self, rank: int, step: int, where: str, why: str, *, integrity: bool = True) -> None:
+        """Record (and log) a copy not used: an integrity failure, or a tier that could not answer."""
+        self.rejected.setdefault(rank, []).append(f"{where}: {why}")
+        kind = "integrity failure" if integrity else "unavailable"
+        log.warning(
+            "%s: %s copy of rank %d step %d of %r not used: %s",
+            kind, where, rank, step, self.config.namespace, why,
+        )  # fmt: skip
 
     def _served(self, rank: int, tier: str) -> None:
         self.served_by[rank] = tier
         log.info("rank %d of step %s of %r served by %s", rank, self.step, self.config.namespace, tier)
 
-    def _apply(self, items: list[Any], data: Any, planner: LoadPlanner) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: we only read from it
-            source = (
-                torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-            )
+    def _apply(
+        self, items: list[Any], data: Any, planner: LoadPlanner, *, expected: str | None = None
+    ) -> None:
+        """Load ``items`` from one copy of a shard; IntegrityError (nothing decoded) if the copy is
+        not intact. ``expected``: the checksum of a copy that is mapped, not yet verified: the
+        value records are copied out and hashed as part of the shard, so what is decoded is what
+        was verified. Non-tensor values are decoded (``decode_value``: JSON, or PyTorch's
+        allow-list unpickler) and assigned only once every item of the copy has loaded."""
+        size = len(data)
         for item in items:
             ref = self.storage_data[item.storage_index]
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(
-                    item, io.BytesIO(bytes(memoryview(data)[ref.offset : ref.offset + ref.length]))
+            if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > size:
+                raise IntegrityError(
+                    f"{item.storage_index.fqn}: bytes {ref.offset}..{ref.offset + ref.length} lie outside "
+                    f"the {size}-byte shard"
                 )
+        spans = [
+            (ref.offset, ref.length)
+            for item in items
+            if item.type == LoadItemType.BYTE_IO
+            for ref in [self.storage_data[item.storage_index]]
+        ]
+        records = _verified_records(data, spans, expected) if expected is not None else _records(data, spans)
+        values: list[tuple[Any, Any]] = []
+        for item in items:
+            if item.type == LoadItemType.BYTE_IO:
+                ref = self.storage_data[item.storage_index]
+                try:
+                    values.append((item, codec.decode_value(records[(ref.offset, ref.length)])))
+                except UndecodableValue as exc:
+                    raise IntegrityError(f"{item.storage_index.fqn}: {exc}") from exc
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: we only read from it
+            source = torch.frombuffer(data, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        for item in items:
+            if item.type == LoadItemType.BYTE_IO:
                 continue
+            ref = self.storage_data[item.storage_index]
+            fqn = item.storage_index.fqn
             if ref.dtype is None or ref.shape is None:
-                raise ValueError(f"{item.storage_index.fqn}: the metadata has no dtype or shape for a tensor")
-            src = source[ref.offset : ref.offset + ref.length].view(codec.dtype_of(ref.dtype)).view(ref.shape)
+                raise IntegrityError(f"{fqn}: the metadata has no dtype or shape for a tensor")
+            try:
+                dtype = codec.dtype_of(ref.dtype)
+                numel = 1
+                for dim in ref.shape:
+                    numel *= dim
+                if numel * dtype.itemsize != ref.length or min(ref.shape, default=0) < 0:
+                    raise IntegrityError(
+                        f"{fqn}: {ref.length} bytes cannot hold {ref.dtype}{list(ref.shape)}"
+                    )
+                src = source[ref.offset : ref.offset + ref.length].view(dtype).view(ref.shape)
+            except (RuntimeError, ValueError) as exc:
+                raise IntegrityError(f"{fqn}: {exc}") from exc
             src = narrow_tensor_by_index(src, item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item).detach()
             if target.size() != src.size():
-                raise ValueError(
-                    f"{item.storage_index.fqn}: stored {tuple(src.size())}, wanted {tuple(target.size())}"
-                )
+                raise ValueError(f"{fqn}: stored {tuple(src.size())}, wanted {tuple(target.size())}")
             target.copy_(src)
             planner.commit_tensor(item, target)
             del src
         del source
+        for item, value in values:
+            _assign(planner, item, value)
 
-    def _read_shard(self, rank: int, step: int, *, local: bool = True) -> tuple[Any, str]:
-        """A rank's shard of a step from the fastest tier that holds a good copy: this node's
-        shared memory (copied out and verified), the agent (memory, replica, a peer, S3), then S3
-        directly."""
+    def _copies(self, rank: int, step: int, *, local: bool) -> Iterator[tuple[bytes, str]]:
+        """A rank's shard of a step, copy after copy, each in this process's memory and verified
+        against its checksum (a copy that is not is recorded in ``rejected`` and skipped): this
+        node's shared memory (``local``), the agent (which tries its own copy, the other agents'
+        and replicas, then S3), then S3 directly (with ``s3_tier_base_path``)."""
         if local:
             found = self._client.read_local(self.config.namespace, rank, step)
             if found is not None:
@@ -557,22 +684,82 @@ class TieredStorageReader(StorageReader):
                         found.view.release()
                     found.release()
                 if checksum(data) == found.checksum:
-                    return data, found.tier
-        remote = self._client.get(self.config.namespace, rank, step)
+                    yield data, found.tier
+                else:
+                    self._reject(rank, step, f"{found.tier} (this node, mapped)", "checksum mismatch")
+        try:
+            remote = self._client.get(self.config.namespace, rank, step)
+        except AgentError as exc:  # refused, unreachable, or a copy that arrived corrupted
+            self._reject(rank, step, "agent", str(exc), integrity="corrupted" in str(exc))
+            remote = None
         if remote is not None:
-            return remote
+            yield remote
         if self.config.s3_tier_base_path:
-            direct = _read_s3(self.config, rank, step)
+            try:
+                direct = _read_s3(self.config, rank, step)
+            except Exception as exc:  # S3 unreachable, a marker that is not one, ...
+                why = f"{type(exc).__name__}: {str(exc)[:300]}"
+                self._reject(rank, step, "s3-direct", why, integrity=False)
+                direct = None
             if direct is not None:
-                return direct, "s3-direct"
-        raise CheckpointNotFound(
-            f"rank {rank} of step {step} of {self.config.namespace!r}: no good copy in any tier"
-        )
+                yield direct, "s3-direct"
+
+
+def _records(data: Any, spans: list[tuple[int, int]]) -> dict[tuple[int, int], bytes]:
+    view = memoryview(data)
+    return {(offset, length): bytes(view[offset : offset + length]) for offset, length in spans}
+
+
+def _verified_records(data: Any, spans: list[tuple[int, int]], expected: str) -> dict[tuple[int, int], bytes]:
+    """The bytes of ``spans`` copied out of a mapped shard, and the shard's checksum computed with
+    those copies in their places, so the records decoded are exactly the bytes verified even if
+    the mapping changed meanwhile. IntegrityError on a mismatch."""
+    view = memoryview(data)
+    merged: list[list[int]] = []
+    for offset, length in sorted(spans):
+        if merged and offset <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], offset + length)
+        else:
+            merged.append([offset, offset + length])
+    digest = xxhash.xxh3_128()
+    copies: list[tuple[int, bytes]] = []
+    position = 0
+    for start, stop in merged:
+        digest.update(view[position:start])
+        copy = bytes(view[start:stop])
+        digest.update(copy)
+        copies.append((start, copy))
+        position = stop
+    digest.update(view[position:])
+    if base64.b64encode(digest.digest()).decode("ascii") != expected:
+        raise IntegrityError("checksum mismatch")
+    records: dict[tuple[int, int], bytes] = {}
+    for offset, length in spans:
+        start, copy = next((s, c) for s, c in copies if s <= offset and offset + length <= s + len(c))
+        records[(offset, length)] = copy[offset - start : offset - start + length]
+    return records
+
+
+def _assigns_values(planner: LoadPlanner) -> bool:
+    """Whether values can be assigned as DefaultLoadPlanner.load_bytes does (it is not overridden)."""
+    default = DefaultLoadPlanner.load_bytes
+    return isinstance(planner, DefaultLoadPlanner) and type(planner).load_bytes is default
+
+
+def _assign(planner: LoadPlanner, item: Any, value: Any) -> None:
+    """What DefaultLoadPlanner.load_bytes does with a value, given the value decoded safely."""
+    assert isinstance(planner, DefaultLoadPlanner)
+    fqn = item.dest_index.fqn
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[fqn], value)
+    else:
+        planner.state_dict[fqn] = value
 
 
 def _read_s3(config: TieredCheckpointConfig, rank: int, step: int) -> bytes | None:
     """A shard straight from S3 (endpoint and credentials from the boto3 chain), checked against
-    the step's commit marker."""
+    the step's commit marker; None if there is none (or it does not match), an exception if S3
+    cannot be read."""
     import json
 
     from agents.s3objects import S3Objects, S3Target, ShardObject
@@ -589,18 +776,21 @@ def _read_s3(config: TieredCheckpointConfig, rank: int, step: int) -> bytes | No
             return None
         shard = next((d for d in json.loads(raw)["shards"] if d["rank"] == rank), None)
         return None if shard is None else objects.get_verified(target.bucket, ShardObject.from_doc(shard))
-    except Exception as exc:
-        log.warning("direct S3 read of rank %d step %d failed: %s", rank, step, exc)
-        return None
     finally:
         objects.close()
 
 
 @dataclass(frozen=True)
 class Loaded:
+    """What ``load_latest`` loaded: the step, the tier that served each rank shard read, the
+    copies of that step it did not use and why (rank -> reasons), and the newer steps it tried
+    and skipped (step -> why)."""
+
     step: int
     served_by: dict[int, str]
     seconds: float
+    rejected: dict[int, list[str]] = field(default_factory=dict)
+    skipped: dict[int, str] = field(default_factory=dict)
 
 
 def load_latest(
@@ -623,22 +813,34 @@ def load_latest(
         shared = [candidates]
         dist.broadcast_object_list(shared, src=0, group=process_group)
         candidates = shared[0]
+    skipped: dict[int, str] = {}
     for candidate in candidates:
         reader = TieredStorageReader(config, step=candidate)
         ok = True
         try:
             load(state_dict, storage_reader=reader, process_group=process_group)
         except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+            skipped[candidate] = reader.failure or str(exc)[:2000]
             log.warning(
-                "step %d of %r did not load (%s); trying an older one", candidate, config.namespace, exc
-            )
+                "step %d of %r did not load (%s); trying an older one",
+                candidate, config.namespace, skipped[candidate],
+            )  # fmt: skip
             ok = False
         if distributed:
             flag = torch.tensor([1 if ok else 0])
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)
+            if ok and not flag.item():
+                skipped[candidate] = "another rank could not load it"
             ok = bool(flag.item())
         if ok:
-            return Loaded(candidate, dict(reader.served_by), time.perf_counter() - started)
+            return Loaded(
+                candidate,
+                dict(reader.served_by),
+                time.perf_counter() - started,
+                rejected={rank: list(reasons) for rank, reasons in reader.rejected.items()},
+                skipped=skipped,
+            )
     raise CheckpointNotFound(
-        f"no step of namespace {config.namespace!r} could be loaded (tried {candidates})"
+        f"no step of namespace {config.namespace!r} could be loaded (tried {candidates}): "
+        + "; ".join(f"step {s}: {why}" for s, why in skipped.items())
     )

@@ -1,13 +1,27 @@
-"""DCP checkpoint metadata as JSON: what a reader loads without unpickling anything.
+"""What a checkpoint holds besides raw tensor bytes, in forms a reader decodes without running code.
 
-PyTorch's own storage layers pickle ``Metadata``; a checkpoint read back from shared memory, another
-node or S3 is not bytes a trainer should unpickle. This codec writes every field DCP needs as plain
-JSON and rebuilds the same dataclasses; anything it does not know is refused, not guessed.
+PyTorch's own storage layers pickle ``Metadata`` and DCP's default planner ``torch.save``s every
+non-tensor value and loads it back with ``torch.load(weights_only=False)``; a checkpoint read back
+from shared memory, another node or S3 is not bytes a trainer should unpickle. Two codecs:
+
+- ``encode`` / ``decode``: the DCP metadata as plain JSON, rebuilt into the same dataclasses;
+  anything it does not know is refused, not guessed.
+- ``encode_value`` / ``decode_value``: a non-tensor state-dict value (a step counter, an
+  optimizer's hyperparameters). Plain Python values are JSON with a tagged encoding for what JSON
+  lacks (see ``_plain``); a value that is not plain (a tuple of tensors, a type the trainer allowed
+  with ``torch.serialization.add_safe_globals``) is a ``torch.save`` record that is decoded only
+  with ``torch.load(weights_only=True)``, PyTorch's allow-list unpickler. A value that neither
+  form can hold is refused when it is saved, never when it is loaded.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import math
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,5 +209,199 @@ def decode(data: bytes | bytearray | memoryview) -> Metadata:
             ),
             version=doc.get("dcp_version"),
         )
-    except (KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"the checkpoint metadata is malformed: {exc}") from exc
+    except (KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"the checkpoint metadata is malformed: {str(exc)[:300]}") from exc
+
+
+# ---------------------------------------------------------------------------- non-tensor values
+
+VALUE_MAGIC = b"hpsim-json-value/1\n"  # what a JSON value record starts with; anything else is torch.save
+_MAX_DEPTH = 200  # values nest far less; deeper JSON is refused rather than recursed into
+
+
+class NotPlain(TypeError):
+    """A value the JSON form cannot hold."""
+
+
+class UndecodableValue(ValueError):
+    """A value record that none of the decoders accepts (tampered, truncated, or not ours)."""
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` as JSON. Exact types only, so a value loads back as the same type: ``None``,
+    ``bool``, ``int``, ``str`` and finite ``float`` as themselves, ``list`` as an array; everything
+    else as an object with exactly one tag: ``{"float": "nan"|"inf"|"-inf"}``, ``{"tuple": [...]}``,
+    ``{"dict": [[key, value], ...]}`` (keys of any plain type, order kept), ``{"odict": ...}``
+    (``OrderedDict``), ``{"set": [...]}``, ``{"frozenset": [...]}``, ``{"bytes": base64}``,
+    ``{"complex": [re, im]}``, ``{"dtype": "float32"}``, ``{"size": [...]}`` (``torch.Size``),
+    ``{"device": "cuda:0"}``, and NumPy arrays and scalars of numeric dtypes (``{"ndarray": [dtype,
+    shape, base64]}``, ``{"numpy": [dtype, base64]}``), as in a NumPy RNG state."""
+    if depth > _MAX_DEPTH:
+        raise NotPlain("nested too deep")
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if kind is list:
+        return [_plain(v, depth + 1) for v in value]
+    if kind is tuple:
+        return {"tuple": [_plain(v, depth + 1) for v in value]}
+    if kind is dict or kind is OrderedDict:
+        tag = "dict" if kind is dict else "odict"
+        return {tag: [[_plain(k, depth + 1), _plain(v, depth + 1)] for k, v in value.items()]}
+    if kind is set or kind is frozenset:
+        return {kind.__name__: [_plain(v, depth + 1) for v in value]}
+    if kind is bytes:
+        return {"bytes": base64.b64encode(value).decode("ascii")}
+    if kind is complex:
+        return {"complex": [_plain(value.real), _plain(value.imag)]}
+    if kind is torch.dtype:
+        return {"dtype": dtype_name(value)}
+    if kind is torch.Size:
+        return {"size": [int(v) for v in value]}
+    if kind is torch.device:
+        return {"device": str(value)}
+    if kind.__module__ == "numpy":  # an array or a scalar of a numeric dtype (a NumPy RNG state)
+        import numpy as np
+
+        array = np.asarray(value)
+        if isinstance(value, np.ndarray | np.generic) and _numeric(array.dtype):
+            data = base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+            if isinstance(value, np.ndarray):
+                return {"ndarray": [array.dtype.str, list(array.shape), data]}
+            return {"numpy": [array.dtype.str, data]}
+    raise NotPlain(f"{kind.__module__}.{kind.__qualname__}")
+
+
+def _numeric(dtype: Any) -> bool:
+    """A NumPy dtype of plain numbers (no objects, no fields): what ``_unplain`` rebuilds."""
+    return bool(dtype.kind in "biufc" and not dtype.hasobject and dtype.fields is None)
+
+
+def _numpy(tag: str, body: list[Any]) -> Any:
+    """A NumPy array or scalar from its dtype string and bytes; only numeric dtypes."""
+    try:
+        import numpy as np
+    except ImportError as exc:
+        raise UndecodableValue("a NumPy value, and NumPy is not installed") from exc
+    dtype = np.dtype(body[0]) if type(body[0]) is str else None
+    if dtype is None or not _numeric(dtype) or type(body[-1]) is not str:
+        raise UndecodableValue(f"not a numeric NumPy value: {str(body)[:80]}")
+    data = base64.b64decode(body[-1], validate=True)
+    if tag == "numpy":
+        if len(data) != dtype.itemsize:
+            raise UndecodableValue("a NumPy scalar of the wrong size")
+        return np.frombuffer(data, dtype=dtype)[0]
+    shape = body[1]
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise UndecodableValue("a NumPy array without a shape")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+
+_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _unplain(doc: Any, depth: int = 0) -> Any:
+    """The value ``_plain`` wrote; UndecodableValue for anything else."""
+    if depth > _MAX_DEPTH:
+        raise UndecodableValue("nested too deep")
+    if doc is None or type(doc) in (bool, int, float, str):
+        return doc
+    if type(doc) is list:
+        return [_unplain(v, depth + 1) for v in doc]
+    if type(doc) is not dict or len(doc) != 1:
+        raise UndecodableValue(f"not a tagged value: {str(doc)[:80]}")
+    ((tag, body),) = doc.items()
+    items = body if type(body) is list else None
+    if tag == "float" and body in _FLOATS:
+        return _FLOATS[body]
+    if tag == "tuple" and items is not None:
+        return tuple(_unplain(v, depth + 1) for v in items)
+    if tag in ("dict", "odict") and items is not None:
+        pairs = []
+        for pair in items:
+            if type(pair) is not list or len(pair) != 2:
+                raise UndecodableValue(f"a {tag} entry is not a [key, value] pair")
+            pairs.append((_unplain(pair[0], depth + 1), _unplain(pair[1], depth + 1)))
+        return dict(pairs) if tag == "dict" else OrderedDict(pairs)
+    if tag in ("set", "frozenset") and items is not None:
+        members = (_unplain(v, depth + 1) for v in items)
+        return set(members) if tag == "set" else frozenset(members)
+    if tag == "bytes" and type(body) is str:
+        return base64.b64decode(body, validate=True)
+    if tag == "complex" and items is not None and len(items) == 2:
+        real, imag = (_unplain(v, depth + 1) for v in items)
+        if type(real) is not float or type(imag) is not float:
+            raise UndecodableValue("a complex number's parts are not floats")
+        return complex(real, imag)
+    if tag == "dtype" and type(body) is str:
+        try:
+            return dtype_of(body)
+        except ValueError as exc:
+            raise UndecodableValue(str(exc)) from exc
+    if tag == "size" and items is not None and all(type(v) is int for v in items):
+        return torch.Size(items)
+    if tag == "device" and type(body) is str:
+        return torch.device(body)
+    if (tag, len(items or ())) in (("ndarray", 3), ("numpy", 2)):
+        return _numpy(tag, body)
+    raise UndecodableValue(f"unknown or malformed tag {tag!r}")
+
+
+def encode_value(value: Any, *, fqn: str = "?") -> bytes:
+    """A non-tensor state-dict value as a record ``decode_value`` reads: JSON when the value is
+    plain, else ``torch.save`` bytes, which must load back with ``weights_only=True`` here and now
+    (so a value a reader would refuse is refused at save time instead). TypeError otherwise."""
+    try:
+        return VALUE_MAGIC + json.dumps(_plain(value), separators=(",", ":"), allow_nan=False).encode()
+    except NotPlain:
+        pass
+    stream = io.BytesIO()
+    torch.save(value, stream)
+    record = stream.getvalue()
+    try:
+        torch.load(io.BytesIO(record), weights_only=True)
+    except Exception as exc:
+        raise TypeError(
+            f"the state dict's value {fqn!r} ({type(value).__module__}.{type(value).__qualname__}) cannot "
+            "be checkpointed: non-tensor values are stored as JSON (None, bool, int, float, str, bytes, "
+            "complex, list, tuple, dict, set, torch dtypes, sizes and devices, numeric NumPy arrays and "
+            "scalars) or as torch.save records "
+            "that load with torch.load(weights_only=True); convert it to such values, or allow its type "
+            f"with torch.serialization.add_safe_globals on the saving and the loading side ({exc})"
+        ) from exc
+    return record
+
+
+def decode_value(data: bytes | bytearray | memoryview) -> Any:
+    """The value of a record ``encode_value`` wrote, decoded without running code from it: JSON,
+    or ``torch.load(weights_only=True)`` (PyTorch's allow-list unpickler) for anything else.
+    UndecodableValue when neither accepts it."""
+    raw = bytes(data)
+    if raw.startswith(VALUE_MAGIC):
+        try:
+            return _unplain(json.loads(raw[len(VALUE_MAGIC) :]))
+        except UndecodableValue:
+            raise
+        except Exception as exc:  # JSONDecodeError, RecursionError, an unhashable key, a bad device
+            raise UndecodableValue(f"malformed JSON value: {str(exc)[:300]}") from exc
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # about the pickle protocol of a foreign record
+            return torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # UnpicklingError for a disallowed global, RuntimeError, EOFError, ...
+        raise UndecodableValue(
+            f"not a JSON value and refused by torch.load(weights_only=True): {_gist(exc)}"
+        ) from exc
+
+
+def _gist(exc: Exception) -> str:
+    """What a torch.load error says was refused, without its page of advice."""
+    boilerplate = ("Weights only load failed", "Check the documentation", "(1)", "(2)", "Re-running")
+    parts = []
+    for line in str(exc).splitlines():
+        line = line.strip().rpartition("WeightsUnpickler error:")[2].strip()
+        if line and not line.startswith(boilerplate):
+            parts.append(line)
+    return " ".join(parts)[:300] or type(exc).__name__

@@ -342,11 +342,16 @@ def agent_settings(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 
 @pytest.fixture
-def agent_plane(database_url: str, tmp_path: Path, agent_settings: dict[str, Any]) -> Iterator[ControlPlane]:
+def agent_plane(
+    database_url: str, tmp_path: Path, agent_settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[ControlPlane]:
     """A control plane whose nodes are real agent processes on loopback ports (local provisioner),
-    on the real clock, with short heartbeat intervals so failures show within seconds."""
+    on the real clock, with short heartbeat intervals so failures show within seconds. Trainers
+    started by the test (in this process or as children) learn the shared-memory root the SDK may
+    map from ``HPSIM_SIMULATION__SHM_ROOT``, as on a node."""
     port = free_port()
     shm_root = shm_root_for(tmp_path)
+    monkeypatch.setenv("HPSIM_SIMULATION__SHM_ROOT", str(shm_root))
     provisioning = {
         "mode": "local",
         "heartbeat_interval_s": 0.2,

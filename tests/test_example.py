@@ -6,6 +6,7 @@ checkpoint when started again."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,7 +32,9 @@ def server(sqlite_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
 
 def example(server: ServerProcess, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "examples/train_tiered.py", "--endpoint-url", server.url, "--ranks", "2", *args]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # The trainers map the agents' shared memory under the server's root, as on its nodes.
+    env = {**os.environ, "HPSIM_SIMULATION__SHM_ROOT": server.env["HPSIM_SIMULATION__SHM_ROOT"]}
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_the_example_trains_fails_and_resumes(server: ServerProcess, tmp_path: Path) -> None:

@@ -1,0 +1,132 @@
+"""An agent impostor on a loopback port: the ``/v1/cp`` protocol kept in a dict, and fast-path
+answers (a reservation, a shard's location) that name whatever file the test chooses.
+
+What a process that took an agent's port (or a trainer's ``HPSIM_AGENT_URL``) would answer; real
+HTTP, so the SDK is tested through its own client.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from sdk.agent import checksum
+
+
+class FakeAgent:
+    """``reserve_path(size)``: the path a reservation answers (unset: refuse with 507).
+    ``locate(namespace, rank, step)``: the path a shard's location answers and the bytes the
+    answer's size and checksum are of (None: 404)."""
+
+    def __init__(self) -> None:
+        self.shards: dict[tuple[str, int, int], bytes] = {}
+        self.namespaces: dict[str, dict[str, Any]] = {}
+        self.reserve_path: Callable[[int], str] | None = None
+        self.locate: Callable[[str, int, int], tuple[Path, bytes] | None] | None = None
+        self.reserved: dict[str, tuple[str, int, int, str, int]] = {}  # token -> ns, rank, step, path, size
+        self.aborted: list[str] = []
+        self.committed: list[str] = []
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> FakeAgent:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def answer(self, method: str, path: str, query: dict[str, list[str]], body: bytes) -> tuple[int, Any]:
+        parts = [unquote(p) for p in path.strip("/").split("/")]
+        match method, parts:
+            case "GET", ["v1", "cp", "namespaces", ns]:
+                return (200, self.namespaces[ns]) if ns in self.namespaces else (404, {"error": "NoSuch"})
+            case "POST", ["v1", "cp", "namespaces", ns]:
+                self.namespaces[ns] = {
+                    "namespace": ns,
+                    "num_ranks": int(query["num_ranks"][0]),
+                    "steps_to_retain_per_rank": int(query["steps_retained"][0]),
+                }
+                return 201, self.namespaces[ns]
+            case "GET", ["v1", "cp", "checkpoints", ns, "latest"]:
+                ranks = self.namespaces[ns]["num_ranks"]
+                steps = {s for (n, _, s) in self.shards if n == ns}
+                complete = [s for s in steps if all((ns, r, s) in self.shards for r in range(ranks))]
+                return 200, sorted(complete, reverse=True)
+            case "POST", ["v1", "cp", "checkpoints", ns, rank, step]:
+                self.shards[(ns, int(rank), int(step))] = body
+                return 200, {"size": len(body)}
+            case "GET", ["v1", "cp", "checkpoints", ns, rank, step]:
+                data = self.shards.get((ns, int(rank), int(step)))
+                return (200, data) if data is not None else (404, {"error": "NoSuchShard"})
+            case "POST", ["v1", "fast", "reserve", ns, rank, step]:
+                size = int(query["size"][0])
+                if self.reserve_path is None:
+                    return 507, {"error": "InsufficientStorage"}
+                token = f"t{len(self.reserved)}"
+                where = self.reserve_path(size)
+                self.reserved[token] = (ns, int(rank), int(step), where, size)
+                return 200, {"token": token, "path": where, "buffer_id": "b0", "size": size}
+            case "POST", ["v1", "fast", "commit", token]:
+                ns, rank, step, where, size = self.reserved[token]
+                self.committed.append(token)
+                written = int(query.get("size", [str(size)])[0])
+                self.shards[(ns, rank, step)] = Path(where).read_bytes()[:written]
+                return 200, {"size": written}
+            case "POST", ["v1", "fast", "abort", token]:
+                self.aborted.append(token)
+                return 200, {"aborted": True}
+            case "GET", ["v1", "fast", "shards", ns, rank, step]:
+                found = self.locate(ns, int(rank), int(step)) if self.locate is not None else None
+                if found is None:
+                    return 404, {"error": "ShardNotHere"}
+                where, data = found
+                return 200, {
+                    "path": str(where),
+                    "size": len(data),
+                    "checksum": checksum(data),
+                    "buffer_id": f"r{rank}",
+                    "tier": "memory",
+                    "lease": "l0",
+                }
+            case "POST", ["v1", "fast", "release", _]:
+                return 200, {"released": True}
+        return 404, {"error": "NoSuchRoute"}
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        agent = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _serve(self) -> None:
+                url = urlsplit(self.path)
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, answer = agent.answer(self.command, url.path, parse_qs(url.query), body)
+                self.send_response(status)
+                if isinstance(answer, bytes):
+                    meta = json.dumps({"checksum": checksum(answer), "algorithm": "xxh3_128"})
+                    self.send_header("Shard-Meta", meta)
+                    self.send_header("X-Hpsim-Tier", "memory")
+                    data = answer
+                else:
+                    self.send_header("Content-Type", "application/json")
+                    data = json.dumps(answer).encode()
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _serve  # noqa: N815
+
+        return Handler
