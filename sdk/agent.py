@@ -96,11 +96,25 @@ class FastWrite:
 
 
 class AgentClient:
-    def __init__(self, base_url: str, *, fast_path: bool = True, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        fast_path: bool = True,
+        timeout_s: float = 600.0,
+        checkpoint_token: str | None = None,
+    ) -> None:
+        """``checkpoint_token``: the cluster's checkpoint token (``GET
+        /clusters/{name}/checkpoint-token``), default ``HPSIM_CHECKPOINT_TOKEN``; sent on every call,
+        and needed for saves and deletes when the cluster's ``AgentAccess`` is ``Token``."""
         self.base_url = base_url.rstrip("/")
         self.fast_path = fast_path
+        token = checkpoint_token or os.environ.get("HPSIM_CHECKPOINT_TOKEN")
         self._http = httpx.Client(
-            base_url=self.base_url, timeout=httpx.Timeout(10.0, read=timeout_s), trust_env=False
+            base_url=self.base_url,
+            timeout=httpx.Timeout(10.0, read=timeout_s),
+            trust_env=False,
+            headers={"Authorization": f"Bearer {token}"} if token else None,
         )
         self._mappings: OrderedDict[str, _Mapping] = OrderedDict()
         self._read_maps: OrderedDict[str, mmap.mmap] = OrderedDict()
