@@ -744,8 +744,7 @@ class ShardStore:
     def _open_locked(self, key: ShardKey, size: int, spare: _Spare | None) -> tuple[Reservation, int]:
         """A new reservation and the fd of its temporary file (a spare's, else a new empty one);
         counted in in_use at once."""
-        directory = self._shard_dir(key)
-        _make_private_dirs(directory)
+        directory = self._ready_shard_dir(key)
         temp = directory / _temp_name(key.step, DATA_SUFFIX)
         fd = -1
         if spare is not None:
@@ -1038,6 +1037,20 @@ class ShardStore:
 
     def _shard_dir(self, key: ShardKey) -> Path:
         return self._root / _encode_namespace(key.namespace) / str(key.rank)
+
+    def _ready_shard_dir(self, key: ShardKey) -> Path:
+        """The shard's directory, made if missing. A link put in place of the namespace's or the
+        rank's directory is removed first: the store writes under its root only."""
+        directory = self._shard_dir(key)
+        _make_private_dirs(directory)
+        if Path(os.path.realpath(directory)) != self._real_shard_dir(key):
+            for path in (directory.parent, directory):
+                if path.is_symlink():
+                    path.unlink()
+            _make_private_dirs(directory)
+            if Path(os.path.realpath(directory)) != self._real_shard_dir(key):
+                raise OSError(f"{directory} does not resolve to a directory under the store's root")
+        return directory
 
     def _real_shard_dir(self, key: ShardKey) -> Path:
         """Where ``_shard_dir(key)`` must resolve to: under the root as it resolved at start."""
