@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 
+from agents.access import refusal
 from agents.httpserver import DropConnection, Request, Response, error_response, json_response
 from agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier_metrics
 from agents.partition import Partition
-from agents.state import AgentState, ApplyStatus, AuthStatus
+from agents.state import AgentState, ApplyStatus, Credential
 from agents.tier import MemoryTier
-
-_BEARER = (("WWW-Authenticate", 'Bearer realm="hyperpod-sim-agent"'),)
 
 
 class AgentApp:
@@ -67,23 +66,15 @@ class AgentApp:
 
     async def put_policy(self, request: Request) -> Response:
         state = self._state
-        auth = state.check_token(request.headers.get("authorization"))
-        if auth is AuthStatus.MISSING:
-            message = "missing or malformed Authorization header; expected 'Bearer <cluster token>'"
-            return error_response(401, "MissingToken", message, headers=_BEARER)
-        if auth is AuthStatus.NOT_REGISTERED:
-            message = "the agent is not registered yet: it does not know the cluster token to check"
-            return error_response(401, "NotRegistered", message, headers=_BEARER)
-        if auth is AuthStatus.WRONG:
-            return error_response(
-                403, "InvalidToken", f"the token is not the cluster token of {state.cluster}"
-            )
+        refused = refusal(state, request, Credential.CLUSTER)
+        if refused is not None:
+            return refused
         state.counters.policy_pushes_total += 1
         body = await request.read_body()
         try:
             doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return error_response(400, "InvalidPolicy", f"the body is not JSON: {exc}")
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            return error_response(400, "InvalidPolicy", f"the body is not JSON: {str(exc)[:200]}")
         outcome = state.apply_policy(doc)
         if outcome.status is ApplyStatus.INVALID:
             return error_response(400, "InvalidPolicy", outcome.message)

@@ -3,7 +3,8 @@
 Each flag of ``hyperpod-sim agent`` has an environment variable named after it:
 ``--control-plane`` is ``HPSIM_AGENT_CONTROL_PLANE``, ``--heartbeat-interval`` is
 ``HPSIM_AGENT_HEARTBEAT_INTERVAL`` (``HPSIM_AGENT_HEARTBEAT_INTERVAL_S`` works too). Flags win over
-the environment. The retry knobs have no flag: they are for tests and benchmarks.
+the environment. The retry knobs and the upload deadline (``HPSIM_AGENT_UPLOAD_DEADLINE_BASE_S``,
+``HPSIM_AGENT_UPLOAD_MIN_RATE_BYTES_PER_S``) have no flag.
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ class AgentSettings(BaseSettings):
         gt=0,
         description="On SIGTERM, node deletion and Mode Disable: how long the agent may take to persist "
         "the newest complete step that S3 does not hold yet before it stops.",
+    )
+    upload_deadline_base_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Every request body (a shard upload, a replica) must arrive within this many "
+        "seconds plus its length at upload_min_rate_bytes_per_s, counted from its first read; after "
+        "that the agent answers 408, closes the connection and gives back the memory reserved for it.",
+    )
+    upload_min_rate_bytes_per_s: float = Field(
+        default=1024 * 1024,
+        gt=0,
+        description="The slowest transfer rate a request body may average (default 1 MiB/s): with the "
+        "base of 30 s a 100 MiB shard has 130 s to arrive.",
     )
     instance_type: str | None = Field(default=None, description="Instance type reported at registration.")
     memory_bytes: int | None = Field(

@@ -3,8 +3,9 @@
 The agent is part of what a node installs, without the server extra (no uvicorn, no Starlette: the
 layering test keeps them out of ``agents/``), and 64 of them share a machine in the benchmarks, so
 its server is this: requests with ``Content-Length`` or chunked bodies, keep-alive,
-``Expect: 100-continue``, bounded header sizes, idle and read timeouts, and a shutdown that closes
-every connection. Handlers are coroutines taking a :class:`Request` and returning a :class:`Response`.
+``Expect: 100-continue``, bounded header sizes, idle and read timeouts, an overall deadline per
+request body (a minimum transfer rate), and a shutdown that closes every connection. Handlers are
+coroutines taking a :class:`Request` and returning a :class:`Response`.
 
 Bodies are the handler's to read, and may be large (checkpoint shards of several hundred MiB):
 
@@ -40,6 +41,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import IO, Any, BinaryIO
+
+from agents.numbers import canonical_int
 
 log = logging.getLogger("agents.http")
 
@@ -130,6 +133,10 @@ class BadRequest(Exception):
         return error_response(self.status, code, self.message)
 
 
+class BodyDeadlineExceeded(TimeoutError):
+    """A request body did not arrive within its deadline (answered 408, then the connection closes)."""
+
+
 class DropConnection(Exception):
     """Raised by a handler to close the connection without answering (a simulated network fault)."""
 
@@ -150,6 +157,7 @@ class Request:
 
     __slots__ = (
         "_after_chunk",
+        "_body_started",
         "_chunk_left",
         "_conn",
         "_continue_sent",
@@ -189,6 +197,7 @@ class Request:
         self._after_chunk = False  # chunked: the CRLF after a chunk's data is due
         self._done = content_length is not None and content_length == 0
         self._continue_sent = False
+        self._body_started = False
 
     @property
     def body_done(self) -> bool:
@@ -230,6 +239,7 @@ class Request:
             raise ValueError(f"readinto of {len(view)} bytes; {self._remaining} bytes of the body are left")
         if not len(view):
             return
+        self._start_body()
         self._send_continue()
         await self._conn.readinto(view)
         self._remaining -= len(view)
@@ -239,6 +249,7 @@ class Request:
         """The rest of the body as it arrives, in pieces of at most 64 KiB (chunked bodies too)."""
         if self._done:
             return
+        self._start_body()
         self._send_continue()
         conn = self._conn
         if self.content_length is not None:
@@ -259,12 +270,11 @@ class Request:
                     raise BadRequest(400, "malformed chunked body: chunk data longer than its size")
                 self._after_chunk = False
             line = (await conn.read_line(_CHUNK_LINE_BYTES)).split(b";", 1)[0].strip()
-            try:
-                size = int(line, 16)
-            except ValueError as exc:
-                raise BadRequest(400, f"malformed chunk size {line[:40]!r}") from exc
-            if size < 0:
+            # Hex digits only (int() would take a sign, "0x", "_" and whitespace), within int64.
+            if not line or len(line) > 16 or line.strip(b"0123456789abcdefABCDEF"):
                 raise BadRequest(400, f"malformed chunk size {line[:40]!r}")
+            size = int(line, 16)
+            conn.extend_body_deadline(size)
             if size == 0:
                 trailers = 0
                 while line := await conn.read_line(MAX_HEADER_BYTES):
@@ -275,6 +285,13 @@ class Request:
                 return
             self._chunk_left = size
             self._after_chunk = True
+
+    def _start_body(self) -> None:
+        """The body's deadline runs from its first read (after the handler's own work, such as
+        making room for a shard): base + length / minimum rate (docs/memory-tier.md, "Limits")."""
+        if not self._body_started:
+            self._body_started = True
+            self._conn.start_body_deadline(self.content_length or 0)
 
     def _send_continue(self) -> None:
         if self.expect_continue and not self._continue_sent and not self._done:
@@ -296,16 +313,27 @@ class HttpServer:
         idle_timeout_s: float = 60.0,
         read_timeout_s: float = 10.0,
         write_timeout_s: float = 30.0,
+        body_deadline_base_s: float = 30.0,
+        body_min_rate_bytes_per_s: float = 1024 * 1024,
     ) -> None:
         """``idle_timeout_s``: how long a connection may wait for its next request;
         ``read_timeout_s``: how long a request head may take from its first byte, and how long a body
         read may wait without receiving a byte; ``write_timeout_s``: how long a response may wait for
-        the client to take more of it (at most 16 MiB of a file, 1 MiB of a body, at a time)."""
+        the client to take more of it (at most 16 MiB of a file, 1 MiB of a body, at a time).
+
+        A body must also arrive whole within ``body_deadline_base_s + length /
+        body_min_rate_bytes_per_s`` of its first read (a chunked body's deadline grows by each
+        chunk's size): a client that sends a byte now and then cannot hold a request (and the memory
+        reserved for it) for longer. Past it, reading raises :class:`BodyDeadlineExceeded`: 408."""
+        if body_deadline_base_s <= 0 or body_min_rate_bytes_per_s <= 0:
+            raise ValueError("the body deadline's base and minimum rate must be positive")
         self._handler = handler
         self._sock = sock
         self.idle_timeout_s = idle_timeout_s
         self.read_timeout_s = read_timeout_s
         self.write_timeout_s = write_timeout_s
+        self.body_deadline_base_s = body_deadline_base_s
+        self.body_min_rate_bytes_per_s = body_min_rate_bytes_per_s
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
 
@@ -353,6 +381,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._activity = 0.0
+        self._body_deadline: float | None = None  # loop time by which the current body must be in
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._closed: asyncio.Future[None] = self._loop.create_future()
@@ -440,25 +469,50 @@ class _Connection(asyncio.BufferedProtocol):
         if transport is not None and not self._lost and not transport.is_reading():
             transport.resume_reading()
 
-    async def _wait(self, timeout: float) -> None:
+    def start_body_deadline(self, length: int) -> None:
+        server = self._server
+        self._body_deadline = (
+            self._loop.time() + server.body_deadline_base_s + length / server.body_min_rate_bytes_per_s
+        )
+
+    def extend_body_deadline(self, length: int) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline += length / self._server.body_min_rate_bytes_per_s
+
+    async def _wait(self, timeout: float, *, limit: float | None = None) -> None:
         """Until bytes arrive in the buffer (in sink mode: until the sink is full), EOF or the end of the
-        connection; :class:`TimeoutError` when no byte at all arrived for ``timeout`` seconds."""
+        connection; :class:`TimeoutError` when no byte at all arrived for ``timeout`` seconds, and
+        :class:`BodyDeadlineExceeded` at the loop time ``limit`` (a body's deadline)."""
         waiter = self._loop.create_future()
         self._waiter = waiter
         self._activity = self._loop.time()
-        self._timer = self._loop.call_at(self._activity + timeout, self._check_stall, waiter, timeout)
+        self._timer = self._loop.call_at(
+            _earliest(self._activity + timeout, limit), self._check_stall, waiter, timeout, limit
+        )
         try:
             await waiter
         finally:
             self._waiter = None
             self._timer.cancel()
 
-    def _check_stall(self, waiter: asyncio.Future[None], timeout: float) -> None:
+    def _check_stall(self, waiter: asyncio.Future[None], timeout: float, limit: float | None) -> None:
         if waiter.done():
             return
+        now = self._loop.time()
+        if limit is not None and now + 0.001 >= limit:
+            server = self._server
+            waiter.set_exception(
+                BodyDeadlineExceeded(
+                    f"the request body did not arrive within its deadline ({server.body_deadline_base_s:g} s "
+                    f"+ its length at {server.body_min_rate_bytes_per_s:g} bytes/s); nothing was kept"
+                )
+            )
+            return
         deadline = self._activity + timeout  # bytes into a sink move _activity without waking the waiter
-        if self._loop.time() + 0.001 < deadline:
-            self._timer = self._loop.call_at(deadline, self._check_stall, waiter, timeout)
+        if now + 0.001 < deadline:
+            self._timer = self._loop.call_at(
+                _earliest(deadline, limit), self._check_stall, waiter, timeout, limit
+            )
         else:
             waiter.set_exception(TimeoutError(f"no byte received for {timeout:g} s"))
 
@@ -469,7 +523,7 @@ class _Connection(asyncio.BufferedProtocol):
             raise ClientDisconnected("the client closed the connection before the end of the request body")
         self._resume_reading()
         try:
-            await self._wait(self._server.read_timeout_s)
+            await self._wait(self._server.read_timeout_s, limit=self._body_deadline)
         except TimeoutError:
             self._broken = self._stalled = True
             raise
@@ -521,7 +575,7 @@ class _Connection(asyncio.BufferedProtocol):
                         f"the client closed the connection after {self._sink_pos} of {total} bytes"
                     )
                 try:
-                    await self._wait(self._server.read_timeout_s)
+                    await self._wait(self._server.read_timeout_s, limit=self._body_deadline)
                 except TimeoutError:
                     self._broken = self._stalled = True
                     raise
@@ -535,6 +589,7 @@ class _Connection(asyncio.BufferedProtocol):
         assert transport is not None
         try:
             while not self._eof or self._start != self._end:
+                self._body_deadline = None
                 try:
                     request = await self._read_head()
                 except BadRequest as exc:
@@ -547,6 +602,14 @@ class _Connection(asyncio.BufferedProtocol):
                     return
         except (ConnectionError, TimeoutError) as exc:
             log.debug("connection ended: %r", exc)  # the client went away or stalled: nothing to answer
+        except Exception:
+            # A bug of ours, not the client's: say so (if the connection can still carry an
+            # answer) and log it, rather than leave a task exception that nobody retrieves.
+            log.exception("the connection failed outside a handler")
+            with contextlib.suppress(Exception):
+                if not self._lost and not self._broken:
+                    failure = error_response(500, "InternalError", "the agent failed on this request")
+                    await self._send(failure, keep_alive=False)
         finally:
             self._server._connections.discard(self)
             if transport.get_write_buffer_size():
@@ -669,9 +732,10 @@ class _Connection(asyncio.BufferedProtocol):
             content_length = None
         else:
             raw_length = headers.get("content-length", "0")
-            if not (raw_length.isascii() and raw_length.isdigit()):
-                raise BadRequest(400, f"malformed Content-Length {raw_length[:40]!r}")
-            content_length = int(raw_length)
+            try:
+                content_length = canonical_int(raw_length, what="Content-Length")
+            except ValueError as exc:
+                raise BadRequest(400, f"malformed Content-Length: {exc}") from exc
         path, _, query = target.partition("?")
         return Request(
             conn=self,
@@ -786,3 +850,7 @@ class _Connection(asyncio.BufferedProtocol):
                 )
             offset += sent
             left -= sent
+
+
+def _earliest(deadline: float, limit: float | None) -> float:
+    return deadline if limit is None else min(deadline, limit)

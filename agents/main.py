@@ -101,7 +101,12 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
         s3_endpoint_override=settings.s3_endpoint_url,
         drain_timeout_s=settings.drain_timeout_s,
     )
-    server = HttpServer(handler=AgentApp(state=state, tier=tier, partition=partition), sock=sock)
+    server = HttpServer(
+        handler=AgentApp(state=state, tier=tier, partition=partition),
+        sock=sock,
+        body_deadline_base_s=settings.upload_deadline_base_s,
+        body_min_rate_bytes_per_s=settings.upload_min_rate_bytes_per_s,
+    )
     await server.start()
     endpoint = settings.endpoint(port)
     print(

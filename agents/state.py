@@ -7,7 +7,9 @@ respect to the HTTP handlers and the control plane loop.
 from __future__ import annotations
 
 import enum
+import hashlib
 import hmac
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +39,22 @@ class ApplyOutcome:
         return self.status in (ApplyStatus.APPLIED, ApplyStatus.UNCHANGED)
 
 
+class Credential(enum.Enum):
+    """What a caller of an agent route must present in ``Authorization: Bearer <token>``."""
+
+    # The control plane's policy pushes and other agents (/v1/policy PUT, /v1/internal/*).
+    CLUSTER = "cluster token"
+    # Trainers writing checkpoints while the cluster's AgentAccess is Token (/v1/cp writes, /v1/fast).
+    CHECKPOINT = "checkpoint token"
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
 class AuthStatus(enum.Enum):
     OK = "ok"
     MISSING = "missing"  # no or malformed Authorization header: 401
-    NOT_REGISTERED = "not_registered"  # no cluster token known yet (external mode): 401
+    NOT_REGISTERED = "not_registered"  # no token known to check against yet: 401
     WRONG = "wrong"  # a token, not the cluster's: 403
 
 
@@ -83,16 +97,34 @@ class AgentState:
         self.cluster_token = cluster_token
         self.registered = True
 
-    def check_token(self, authorization: str | None) -> AuthStatus:
-        """Check an ``Authorization: Bearer <cluster token>`` header, in constant time."""
+    @property
+    def checkpoint_token_required(self) -> bool:
+        """Whether the cluster's AgentAccess is Token: checkpoint writes need the checkpoint token.
+        A policy without ``checkpoint_access`` (an older control plane) is Open."""
+        access = (self.policy or {}).get("checkpoint_access") or {}
+        return access.get("mode") == "Token"
+
+    def check_token(
+        self, authorization: str | None, credential: Credential = Credential.CLUSTER
+    ) -> AuthStatus:
+        """Check an ``Authorization: Bearer <token>`` header against ``credential``, in constant time.
+
+        The cluster token is compared as it is; the checkpoint token by its SHA-256, which is all
+        the policy carries of it."""
         scheme, _, token = (authorization or "").strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             return AuthStatus.MISSING
-        if self.cluster_token is None:
+        if credential is Credential.CLUSTER:
+            if self.cluster_token is None:
+                return AuthStatus.NOT_REGISTERED
+            expected = self.cluster_token.get_secret_value().encode()
+            return AuthStatus.OK if hmac.compare_digest(token.encode(), expected) else AuthStatus.WRONG
+        digest = ((self.policy or {}).get("checkpoint_access") or {}).get("token_sha256")
+        if not isinstance(digest, str):
             return AuthStatus.NOT_REGISTERED
-        expected = self.cluster_token.get_secret_value().encode()
-        return AuthStatus.OK if hmac.compare_digest(token.encode(), expected) else AuthStatus.WRONG
+        presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+        return AuthStatus.OK if hmac.compare_digest(presented, digest) else AuthStatus.WRONG
 
     def apply_policy(self, doc: object) -> ApplyOutcome:
         """Apply a policy document: newer generations replace the one in force, the same generation
@@ -131,6 +163,17 @@ class AgentState:
             not isinstance(tiered, dict) or not isinstance(tiered.get("enabled", False), bool)
         ):
             return f"'tiered_storage' must be an object with a boolean 'enabled', got {tiered!r}"
+        access = doc.get("checkpoint_access")
+        if access is not None:
+            mode = access.get("mode") if isinstance(access, dict) else None
+            digest = access.get("token_sha256") if isinstance(access, dict) else None
+            if mode not in ("Open", "Token") or (
+                mode == "Token" and not (isinstance(digest, str) and _SHA256_HEX.fullmatch(digest))
+            ):
+                return (
+                    '\'checkpoint_access\' must be {"mode": "Open"} or {"mode": "Token", '
+                    f'"token_sha256": <64 hex digits>}}, got {str(access)[:200]}'
+                )
         for key, mine in (("node_id", self.node_id), ("cluster_name", self.cluster)):
             theirs = doc.get(key)
             if theirs is not None and mine is not None and theirs != mine:

@@ -31,6 +31,15 @@ any point leaves the old shard or the new one, never a half shard. Files are not
 store guards against the agent crashing, not the machine (tmpfs does not survive a reboot anyway).
 One store per root: two live stores on the same root would remove each other's writes at startup.
 
+Files are the agent's user's only: directories 0700, data files and sidecars 0600 (a trainer that
+uses the same-host fast path runs as that user; any other reads over HTTP).
+
+A file handed to a trainer (the same-host fast path) is checked before the agent reads it at
+commit: a regular file (not a link, FIFO or device), the very inode reserved, with one name, in
+its directory under ``root``, of the reserved size; and it is read with ``preadv``, not mapped, so
+a trainer that truncates it even during the check gets its commit refused (``UnusableShardFile``),
+never the agent a SIGBUS.
+
 Shards are never written in place: a replacement renames a new file over the old name and an
 eviction unlinks it, so a reader that has mapped a shard file keeps seeing one whole shard.
 
@@ -69,6 +78,8 @@ from urllib.parse import quote, unquote
 
 import xxhash
 
+from agents.numbers import echo
+
 StepId = tuple[str, int]  # (namespace, step)
 ProtectFn = Callable[[], AbstractSet[StepId]]
 
@@ -78,6 +89,9 @@ TEMP_SUFFIX = ".tmp"
 META_VERSION = 1
 MAX_NAME_BYTES = 255
 DIGEST_BYTES = 16
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+_READ_CHUNK = 1 << 20  # commit_written hashes a trainer's file in pieces of this size
 
 
 def _nothing_protected() -> AbstractSet[StepId]:
@@ -128,6 +142,18 @@ class CorruptShard(Exception):
     def __init__(self, key: ShardKey, *, detail: str) -> None:
         self.key = key
         super().__init__(f"rank {key.rank} step {key.step} of namespace {key.namespace!r}: {detail}")
+
+
+class UnusableShardFile(Exception):
+    """The file of a same-host write is not the one reserved any more (truncated, replaced, moved,
+    linked): nothing is stored and the reservation is given back."""
+
+    def __init__(self, key: ShardKey, *, detail: str) -> None:
+        self.key = key
+        super().__init__(
+            f"the file reserved for rank {key.rank} step {key.step} of namespace {echo(key.namespace)} "
+            f"cannot be committed: {detail}; nothing was stored"
+        )
 
 
 class ReservationCancelled(Exception):
@@ -182,11 +208,21 @@ def _decimal(text: str) -> int | None:
     return None
 
 
+def check_namespace(namespace: str) -> None:
+    """ValueError unless a namespace of this name can be stored: not empty, and its directory name
+    (percent-encoded UTF-8) at most 255 bytes."""
+    if not namespace:
+        raise ValueError("a namespace must not be empty")
+    encoded = len(_encode_namespace(namespace).encode())
+    if encoded > MAX_NAME_BYTES:
+        raise ValueError(
+            f"namespace {echo(namespace)} is too long: {encoded} bytes once encoded for its directory name; "
+            f"at most {MAX_NAME_BYTES} are allowed"
+        )
+
+
 def _check_key(key: ShardKey) -> None:
-    if not key.namespace:
-        raise ValueError("a shard's namespace must not be empty")
-    if len(_encode_namespace(key.namespace).encode()) > MAX_NAME_BYTES:
-        raise ValueError(f"namespace {key.namespace[:40]!r}... is too long to store (encoded over 255 bytes)")
+    check_namespace(key.namespace)
     if key.rank < 0 or key.step < 0:
         raise ValueError(f"rank and step must not be negative (got rank {key.rank}, step {key.step})")
 
@@ -197,6 +233,33 @@ def _temp_name(step: int, suffix: str) -> str:
 
 def _is_temp_name(name: str) -> bool:
     return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def _make_private_dirs(directory: Path) -> None:
+    """``directory`` and its missing parents, each created owner-only (``mkdir -p`` would give the
+    parents the umask's mode)."""
+    missing: list[Path] = []
+    while not directory.is_dir():
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=DIR_MODE)
+
+
+def _hash_fd(fd: int, size: int) -> str | None:
+    """The checksum of the first ``size`` bytes of ``fd``, read with preadv (no mapping: a file
+    cut short meanwhile is a short read here, not a SIGBUS); None if it holds fewer bytes."""
+    hasher = xxhash.xxh3_128()
+    buffer = memoryview(bytearray(min(size, _READ_CHUNK)))
+    done = 0
+    while done < size:
+        count = os.preadv(fd, [buffer[: min(len(buffer), size - done)]], done)
+        if count <= 0:
+            return None
+        hasher.update(buffer[:count])
+        done += count
+    return base64.b64encode(hasher.digest()).decode("ascii")
 
 
 def _prune_empty_dirs(directory: Path, *, stop: Path) -> None:
@@ -270,7 +333,9 @@ def _write_sidecar(path: Path, *, current: _Record, previous: _Record | None) ->
     }
     temp = path.with_name(_temp_name(int(path.stem), META_SUFFIX))
     try:
-        temp.write_text(json.dumps(doc), encoding="utf-8")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+        with open(fd, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(doc))
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
@@ -326,6 +391,7 @@ class Reservation:
         self._buffer_id = buffer_id
         self._mapping: mmap.mmap | None = None
         self._inode = 0
+        self._device = 0
         self._state: _State = "open"
         self._cancelled = False
 
@@ -372,18 +438,51 @@ class Reservation:
         try:
             if not 0 <= size <= self._size:
                 raise ValueError(f"{size} bytes were written into a reservation of {self._size}")
-            if size < self._size:
-                self._release_mapping()
-                os.truncate(self._temp_path, size)
-                self._store._shrink(self, size)
-                if size:
-                    with open(self._temp_path, "rb") as handle:
-                        self._mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ)
-            checksum = checksum_of(self._mapping if self._mapping is not None and size else b"")
-            self._release_mapping()
+            self._release_mapping()  # the agent never touches a trainer's file through a mapping
+            fd = self._open_checked(os.O_RDWR if size < self._size else os.O_RDONLY)
+            try:
+                if size < self._size:
+                    os.ftruncate(fd, size)
+                    self._store._shrink(self, size)
+                checksum = _hash_fd(fd, size)
+            finally:
+                os.close(fd)
+            if checksum is None:
+                raise UnusableShardFile(self._key, detail="it was cut short while it was being read")
             return self._store._publish(self, checksum=checksum, replica_of=replica_of)
         except BaseException:
             self.abort()
+            raise
+
+    def _open_checked(self, flags: int) -> int:
+        """An fd of the reserved file, once it is known to be that file: in its directory under
+        the store's root (no directory swapped for a link), not a link itself, a regular file,
+        the inode reserved (same device) with no other name, of the reserved size.
+        UnusableShardFile otherwise."""
+        path = self._temp_path
+        if Path(os.path.realpath(path.parent)) != self._store._real_shard_dir(self._key):
+            raise UnusableShardFile(self._key, detail="its directory is no longer under the agent's root")
+        try:
+            # O_NONBLOCK: a FIFO put in its place must not block the open.
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            raise UnusableShardFile(self._key, detail=f"it cannot be opened ({exc.strerror})") from exc
+        try:
+            stat = os.fstat(fd)
+            problem = None
+            if not S_ISREG(stat.st_mode):
+                problem = "it is not a regular file"
+            elif (stat.st_dev, stat.st_ino) != (self._device, self._inode):
+                problem = "it was replaced by another file"
+            elif stat.st_nlink != 1:
+                problem = f"it has {stat.st_nlink} names (hard links)"
+            elif stat.st_size != self._size:
+                problem = f"it holds {stat.st_size} bytes, not the {self._size} reserved"
+            if problem is not None:
+                raise UnusableShardFile(self._key, detail=problem)
+            return fd
+        except BaseException:
+            os.close(fd)
             raise
 
     def commit(self, *, checksum: str, replica_of: str | None = None, verify: bool = True) -> ShardInfo:
@@ -422,7 +521,8 @@ class Reservation:
                     _preallocate(fd, self._size, start=current)
                 os.ftruncate(fd, self._size)
                 self._mapping = mmap.mmap(fd, self._size)
-            self._inode = os.fstat(fd).st_ino
+            stat = os.fstat(fd)
+            self._inode, self._device = stat.st_ino, stat.st_dev
         finally:
             os.close(fd)
 
@@ -478,7 +578,10 @@ class ShardStore:
         # inode -> readers in this process (replication, S3 uploads, responses): not recycled.
         self._pins: dict[int, int] = {}
         self._counters = StoreCounters()
-        self._root.mkdir(parents=True, exist_ok=True)
+        _make_private_dirs(self._root)
+        if self._root.stat().st_uid == os.getuid():
+            os.chmod(self._root, DIR_MODE)  # a root made by an older agent, or by hand
+        self._real_root = Path(os.path.realpath(self._root))
         self._recover()
 
     # -- properties
@@ -641,8 +744,7 @@ class ShardStore:
     def _open_locked(self, key: ShardKey, size: int, spare: _Spare | None) -> tuple[Reservation, int]:
         """A new reservation and the fd of its temporary file (a spare's, else a new empty one);
         counted in in_use at once."""
-        directory = self._shard_dir(key)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = self._ready_shard_dir(key)
         temp = directory / _temp_name(key.step, DATA_SUFFIX)
         fd = -1
         if spare is not None:
@@ -654,7 +756,7 @@ class ShardStore:
                 temp.unlink(missing_ok=True)
                 spare = None
         if fd < 0:
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
         buffer_id = spare.buffer_id if spare is not None else uuid.uuid4().hex
         reservation = Reservation(store=self, key=key, size=size, temp_path=temp, buffer_id=buffer_id)
         self._reservations.add(reservation)
@@ -788,17 +890,21 @@ class ShardStore:
             if entry is None:
                 raise KeyError(key)
             try:
-                return entry, os.open(entry.info.path, os.O_RDONLY)
-            except FileNotFoundError:
+                return entry, os.open(entry.info.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError as exc:  # gone, or a link put in its place (ELOOP)
                 self._counters.checksum_failures_total += 1
                 self._remove_locked(key)
-        raise CorruptShard(key, detail="its file is gone; the copy was dropped")
+                problem = exc.strerror
+        raise CorruptShard(key, detail=f"its file cannot be opened ({problem}); the copy was dropped")
 
     def _verified_mapping(self, entry: _Entry, fd: int) -> mmap.mmap | None:
         """A read-only mapping of ``fd`` (None for an empty shard) whose bytes match the checksum."""
         info = entry.info
-        size = os.fstat(fd).st_size
-        if size != info.size:
+        stat = os.fstat(fd)
+        size = stat.st_size
+        if not S_ISREG(stat.st_mode) or stat.st_ino != entry.inode:
+            problem = "its file was replaced by another one"
+        elif size != info.size:
             problem = f"its file holds {size} bytes, not {info.size}"
         else:
             mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
@@ -932,6 +1038,24 @@ class ShardStore:
     def _shard_dir(self, key: ShardKey) -> Path:
         return self._root / _encode_namespace(key.namespace) / str(key.rank)
 
+    def _ready_shard_dir(self, key: ShardKey) -> Path:
+        """The shard's directory, made if missing. A link put in place of the namespace's or the
+        rank's directory is removed first: the store writes under its root only."""
+        directory = self._shard_dir(key)
+        _make_private_dirs(directory)
+        if Path(os.path.realpath(directory)) != self._real_shard_dir(key):
+            for path in (directory.parent, directory):
+                if path.is_symlink():
+                    path.unlink()
+            _make_private_dirs(directory)
+            if Path(os.path.realpath(directory)) != self._real_shard_dir(key):
+                raise OSError(f"{directory} does not resolve to a directory under the store's root")
+        return directory
+
+    def _real_shard_dir(self, key: ShardKey) -> Path:
+        """Where ``_shard_dir(key)`` must resolve to: under the root as it resolved at start."""
+        return self._real_root / _encode_namespace(key.namespace) / str(key.rank)
+
     def _data_path(self, key: ShardKey) -> Path:
         return self._shard_dir(key) / f"{key.step}{DATA_SUFFIX}"
 
@@ -941,9 +1065,13 @@ class ShardStore:
             namespace = _decode_namespace(ns_dir.name)
             if namespace is None:
                 continue
+            with contextlib.suppress(OSError):
+                os.chmod(ns_dir, DIR_MODE)  # an older agent's 0755
             for rank_dir in _subdirs(ns_dir):
                 rank = _decimal(rank_dir.name)
                 if rank is not None:
+                    with contextlib.suppress(OSError):
+                        os.chmod(rank_dir, DIR_MODE)
                     self._recover_rank_dir(namespace, rank, rank_dir)
                     _prune_empty_dirs(rank_dir, stop=self._root)
 
@@ -968,6 +1096,9 @@ class ShardStore:
             data_path.unlink(missing_ok=True)
             meta_path.unlink(missing_ok=True)
             return
+        for path in (data_path, meta_path):
+            with contextlib.suppress(OSError):
+                os.chmod(path, FILE_MODE)  # an older agent's 0644
         info = ShardInfo(key, record.size, record.checksum, record.replica_of, data_path, record.committed_at)
         # A buffer id of its own: it names this file to the trainers that map it (by buffer id),
         # also once the file is retired and reused for a later save of its rank.

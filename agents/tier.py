@@ -35,10 +35,12 @@ from urllib.parse import parse_qs, quote, unquote
 
 import httpx
 
+from agents.access import checkpoint_credential, refusal
 from agents.control_plane import ControlPlaneClient
 from agents.httpserver import Request, Response, error_response, json_response
+from agents.numbers import canonical_int, echo
 from agents.s3tier import S3Tier
-from agents.state import AgentState, AuthStatus
+from agents.state import AgentState, Credential
 from agents.store import (
     BudgetExceeded,
     CorruptShard,
@@ -47,6 +49,8 @@ from agents.store import (
     ShardInfo,
     ShardKey,
     ShardStore,
+    UnusableShardFile,
+    check_namespace,
     checksum_of,
 )
 
@@ -56,6 +60,7 @@ ALGORITHM = "xxh3_128"
 # How long a replica keeps being retried (a replacement node takes seconds to register).
 REPLICA_RETRY_S = 120.0
 OCTETS = "application/octet-stream"
+MAX_NODE_ID_CHARS = 128  # a replica's ``owner`` (a node id; stored in the shard's sidecar)
 
 
 @dataclass
@@ -112,15 +117,52 @@ def parse_shard_meta(header: str | None) -> str:
         raise TierError(400, "MissingShardMeta", "the Shard-Meta header (checksum of the shard) is required")
     try:
         meta = json.loads(header)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
         checksum = meta["checksum"]
         algorithm = meta.get("algorithm", ALGORITHM)
         if len(base64.b64decode(checksum, validate=True)) != 16:
             raise ValueError("not a 16-byte digest")
-    except (ValueError, KeyError, TypeError, binascii.Error) as exc:
-        raise TierError(400, "InvalidShardMeta", f"the Shard-Meta header is not usable: {exc}") from exc
+    except (ValueError, KeyError, TypeError, RecursionError, binascii.Error) as exc:
+        raise TierError(
+            400, "InvalidShardMeta", f"the Shard-Meta header is not usable: {str(exc)[:200]}"
+        ) from exc
     if algorithm != ALGORITHM:
         raise TierError(400, "UnsupportedAlgorithm", f"checksum algorithm {algorithm!r}; only {ALGORITHM}")
     return str(checksum)
+
+
+def parse_key(name: str, rank: str, step: str) -> ShardKey:
+    """The shard a path names: a namespace that fits in a directory name, and a rank and step in
+    their one canonical spelling (agents/numbers.py). A TierError 400 otherwise."""
+    checked_namespace(name)
+    try:
+        return ShardKey(name, canonical_int(rank, what="rank"), canonical_int(step, what="step"))
+    except ValueError as exc:
+        raise TierError(400, "InvalidShard", str(exc)) from exc
+
+
+def checked_namespace(name: str) -> str:
+    """``name`` if a namespace of that name can be stored (on disk: one directory name); a
+    TierError 400 otherwise."""
+    try:
+        check_namespace(name)
+    except ValueError as exc:
+        raise TierError(400, "InvalidNamespace", str(exc)) from exc
+    return name
+
+
+def query_int(request: Request, parameter: str, *, default: int | None = None) -> int:
+    """A query parameter's canonical integer value (its default when absent); TierError 400."""
+    values = parse_qs(request.query, keep_blank_values=True).get(parameter)
+    if not values:
+        if default is None:
+            raise TierError(400, "MissingParameter", f"the query parameter {parameter} is required")
+        return default
+    try:
+        return canonical_int(values[0], what=parameter)
+    except ValueError as exc:
+        raise TierError(400, "InvalidParameter", str(exc)) from exc
 
 
 class MemoryTier:
@@ -170,6 +212,7 @@ class MemoryTier:
     async def handle(self, request: Request) -> Response | None:
         """The response for a tier route, or None if the path is not one of the tier's."""
         parts = [unquote(p) for p in request.path.strip("/").split("/")]
+        credential: Credential | None
         if parts[:2] in (["v1", "cp"], ["v1", "fast"]):
             # /v1/cp/...: the library's protocol; /v1/fast/...: the same-host fast path of our SDK.
             handler = self._public_route(request.method, parts[2:] if parts[1] == "cp" else parts[1:])
@@ -182,16 +225,19 @@ class MemoryTier:
                     "tiered storage is off on this cluster (TieredStorageConfig Mode is not Enable, or "
                     "this agent has no policy yet)",
                 )
+            # Writes and deletes need the checkpoint token when the cluster's AgentAccess is Token.
+            credential = checkpoint_credential(self.state, request.method, parts[1])
         elif parts[:2] == ["v1", "internal"]:
             handler = self._internal_route(request.method, parts[2:])
             if handler is None:
                 return None
-            auth = self.state.check_token(request.headers.get("authorization"))
-            if auth is not AuthStatus.OK:
-                status = 403 if auth is AuthStatus.WRONG else 401
-                return error_response(status, "Unauthorized", "agent-to-agent calls need the cluster token")
+            credential = Credential.CLUSTER  # the other agents of the cluster, always
         else:
             return None
+        if credential is not None:
+            refused = refusal(self.state, request, credential)
+            if refused is not None:
+                return refused
         try:
             return await handler(request)
         except TierError as exc:
@@ -267,6 +313,7 @@ class MemoryTier:
             ) from exc
 
     async def namespace(self, name: str) -> Namespace:
+        checked_namespace(name)
         cached = self._namespaces.get(name)
         if cached is not None:
             return cached
@@ -350,14 +397,9 @@ class MemoryTier:
         return json_response(200, (await self.namespace(name)).doc())
 
     async def create_namespace(self, name: str, request: Request) -> Response:
-        query = parse_qs(request.query)
-        try:
-            num_ranks = int(query["num_ranks"][0])
-            steps = int(query.get("steps_retained", ["3"])[0])
-        except (KeyError, ValueError) as exc:
-            raise TierError(
-                400, "InvalidNamespace", "query parameters num_ranks and steps_retained are integers"
-            ) from exc
+        checked_namespace(name)
+        num_ranks = query_int(request, "num_ranks")
+        steps = query_int(request, "steps_retained", default=3)
         response = await self._cp_call(
             "POST", f"/namespaces/{quote(name, safe='')}", {"num_ranks": num_ranks, "steps_retained": steps}
         )
@@ -372,6 +414,7 @@ class MemoryTier:
         return json_response(201, doc)
 
     async def delete_namespace(self, name: str) -> Response:
+        checked_namespace(name)
         response = await self._cp_call("DELETE", f"/namespaces/{quote(name, safe='')}")
         if response.status_code == 404:
             raise TierError(404, "NamespaceNotFound", f"namespace {name!r} does not exist")
@@ -388,19 +431,14 @@ class MemoryTier:
     # ------------------------------------------------------------------ shards
 
     async def _key(self, name: str, rank: str, step: str) -> tuple[Namespace, ShardKey]:
+        key = parse_key(name, rank, step)
         namespace = await self.namespace(name)
-        try:
-            key = ShardKey(name, int(rank), int(step))
-        except ValueError as exc:
-            raise TierError(400, "InvalidShard", "rank and step must be integers") from exc
         if not 0 <= key.rank < namespace.num_ranks:
             raise TierError(
                 400,
                 "InvalidRank",
-                f"rank {key.rank} is outside 0..{namespace.num_ranks - 1} of namespace {name!r}",
+                f"rank {key.rank} is outside 0..{namespace.num_ranks - 1} of namespace {echo(name)}",
             )
-        if key.step < 0:
-            raise TierError(400, "InvalidShard", "step must not be negative")
         return namespace, key
 
     async def _receive(self, key: ShardKey, request: Request, *, replica_of: str | None) -> ShardInfo:
@@ -484,12 +522,7 @@ class MemoryTier:
         and writes into; it becomes the shard at ``fast_commit``. A reservation not committed
         within ``fast_timeout_s`` is given back (its trainer died)."""
         namespace, key = await self._key(name, rank, step)
-        try:
-            size = int(parse_qs(request.query)["size"][0])
-            if size < 0:
-                raise ValueError("negative")
-        except (KeyError, ValueError) as exc:
-            raise TierError(400, "InvalidSize", "the query parameter size is a byte count") from exc
+        size = query_int(request, "size")
         reservation = await self._reserve(key, size)
         token = uuid.uuid4().hex
         self._fast[token] = _FastWrite(reservation, namespace, time.monotonic() + self.fast_timeout_s)
@@ -506,8 +539,17 @@ class MemoryTier:
             raise TierError(404, "NoSuchReservation", "no open reservation with this token (expired?)")
         reservation = write.reservation
         try:
-            size = int(parse_qs(request.query).get("size", [str(reservation.size)])[0])
+            size = query_int(request, "size", default=reservation.size)
+        except TierError:
+            reservation.abort()
+            raise
+        try:
+            # The file is checked (a regular file under this agent's root, the one reserved, of
+            # the reserved size) and read without a mapping: a trainer that truncated or replaced
+            # it gets a 400 and its reservation back, never a SIGBUS in the agent.
             info = await asyncio.to_thread(reservation.commit_written, size=size)
+        except UnusableShardFile as exc:
+            raise TierError(400, "UnusableShardFile", str(exc)) from exc
         except ValueError as exc:
             raise TierError(400, "InvalidSize", str(exc)) from exc
         except ReservationCancelled as exc:
@@ -580,10 +622,11 @@ class MemoryTier:
 
     async def put_replica(self, name: str, rank: str, step: str, request: Request) -> Response:
         owner = parse_qs(request.query).get("owner", [None])[0]
-        try:
-            key = ShardKey(name, int(rank), int(step))
-        except ValueError as exc:
-            raise TierError(400, "InvalidShard", "rank and step must be integers") from exc
+        if owner is not None and len(owner) > MAX_NODE_ID_CHARS:
+            raise TierError(
+                400, "InvalidOwner", f"owner is a node id of at most {MAX_NODE_ID_CHARS} characters"
+            )
+        key = parse_key(name, rank, step)
         info = await self._receive(key, request, replica_of=owner or "unknown")
         # Replicas are kept as the owner keeps its shards: the namespace's newest steps.
         try:
@@ -764,21 +807,20 @@ class MemoryTier:
         return sorted((step for step, ranks in held.items() if everyone <= ranks), reverse=True)
 
     async def latest(self, name: str, request: Request) -> Response:
-        try:
-            limit = int(parse_qs(request.query).get("limit", ["5"])[0])
-        except ValueError as exc:
-            raise TierError(400, "InvalidLimit", "limit must be an integer") from exc
+        checked_namespace(name)
+        limit = query_int(request, "limit", default=5)
         memory, durable = await asyncio.gather(self.complete_steps(name), self.s3.committed_steps(name))
         steps = sorted(set(memory) | set(durable), reverse=True)
         return json_response(200, steps[: max(limit, 0)])
 
     async def persist(self, name: str, step: str, request: Request) -> Response:
+        checked_namespace(name)
         try:
+            number = canonical_int(step, what="step")
             body = json.loads(await request.read_body())
-            number = int(step)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise TierError(
-                400, "InvalidPersist", f"a persist request needs a JSON body and a step: {exc}"
+                400, "InvalidPersist", f"a persist request needs a JSON body and a step: {str(exc)[:200]}"
             ) from exc
         return json_response(200, await self.s3.handle_persist(name, number, body))
 
@@ -802,20 +844,14 @@ class MemoryTier:
         return json_response(200, {"steps": await self.s3.committed_steps(name)})
 
     async def local_shard(self, name: str, rank: str, step: str) -> Response:
-        try:
-            key = ShardKey(name, int(rank), int(step))
-        except ValueError as exc:
-            raise TierError(400, "InvalidShard", "rank and step must be integers") from exc
+        key = parse_key(name, rank, step)
         local = await self._local_copy(key)
         if local is None:
             raise TierError(404, "ShardNotFound", "no good copy here")
         return local
 
     async def local_delete(self, name: str, rank: str, step: str) -> Response:
-        try:
-            key = ShardKey(name, int(rank), int(step))
-        except ValueError as exc:
-            raise TierError(400, "InvalidShard", "rank and step must be integers") from exc
+        key = parse_key(name, rank, step)
         if not self.store.delete(key):
             raise TierError(404, "ShardNotFound", "not stored here")
         return json_response(200, {"deleted": True})

@@ -338,6 +338,7 @@ CHECKPOINT_POLICY_EXAMPLE = {
     "S3Retention": 5,
     "InMemoryRetention": 3,
     "ReplicationFactor": 1,
+    "AgentAccess": "Open",
 }
 CHECKPOINT_POLICY_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -377,6 +378,16 @@ CHECKPOINT_POLICY_SCHEMA: dict[str, Any] = {
             "default": 1,
             "description": "Copies of each shard on the next nodes of the ring.",
         },
+        "AgentAccess": {
+            "type": "string",
+            "enum": ["Open", "Token"],
+            "default": "Open",
+            "description": "Who may write to the agents' checkpoint routes. Open: anyone who reaches an "
+            "agent (the amzn-sagemaker-checkpointing library sends no credentials). Token: saves, "
+            "namespace creation, deletes and cluster/reset on /v1/cp, and every /v1/fast route, need "
+            "`Authorization: Bearer <checkpoint token>` (GET /clusters/{name}/checkpoint-token); reads "
+            "stay open, so the library can still restore but not save (docs/memory-tier.md).",
+        },
     },
 }
 
@@ -394,8 +405,8 @@ async def _policy_answer(cluster: Any, policy: Any) -> dict[str, Any]:
     "/clusters/{name}/checkpoint-policy",
     summary="The cluster's checkpoint policy (hyperpod-sim extension)",
     description="Where and how often agents persist complete steps to S3, S3 and in-memory "
-    "retention, and the replication factor. Defaults until set: no S3 tier, in-memory retention 3, "
-    "one replica.",
+    "retention, the replication factor, and who may write to the agents' checkpoint routes "
+    "(`AgentAccess`). Defaults until set: no S3 tier, in-memory retention 3, one replica, Open.",
     tags=["checkpointing"],
     responses={200: {"content": {"application/json": {"example": CHECKPOINT_POLICY_EXAMPLE}}}},
 )
@@ -432,6 +443,43 @@ async def put_checkpoint_policy(name: str, request: Request, services: ServicesD
     except Exception as exc:
         raise as_aws_error(exc) from exc
     return await _policy_answer(cluster, policy)
+
+
+@router.get(
+    "/clusters/{name}/checkpoint-token",
+    summary="The cluster's checkpoint token (hyperpod-sim extension)",
+    description="What trainers send to the agents' checkpoint routes (`Authorization: Bearer <token>`, "
+    "or `HPSIM_CHECKPOINT_TOKEN` for the SDK) when the checkpoint policy's `AgentAccess` is `Token`. "
+    "Made with the cluster; agents get only its SHA-256. As secret as the control plane's own "
+    "credentials: with control-plane auth off, anyone who reaches the control plane can read it.",
+    tags=["checkpointing"],
+    responses={
+        200: {
+            "content": {
+                "application/json": {
+                    "example": {
+                        "ClusterName": "demo",
+                        "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+                        "AgentAccess": "Token",
+                        "CheckpointToken": "3f1c...",
+                    }
+                }
+            }
+        },
+        404: {"description": "ResourceNotFound"},
+    },
+)
+async def get_checkpoint_token(name: str, services: ServicesDep) -> dict[str, Any]:
+    try:
+        cluster, policy = await run_in_threadpool(lambda: services.clusters.checkpoint_policy(name=name))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    return {
+        "ClusterName": cluster.name,
+        "ClusterArn": cluster.arn,
+        "AgentAccess": policy.agent_access,
+        "CheckpointToken": cluster.checkpoint_token,
+    }
 
 
 CHECKPOINTS_EXAMPLE = {

@@ -2,12 +2,14 @@
 not the AWS JSON operations, whose shapes stay AWS's).
 
 It says where and how often the agents persist complete steps to S3, how many persisted steps S3
-keeps, how many steps the in-memory tier keeps, and how many replicas each shard has. Stored with
-the cluster, pushed to the agents inside the versioned node policy (domain/policy.py).
+keeps, how many steps the in-memory tier keeps, how many replicas each shard has, and who may
+write to the agents' checkpoint routes (``AgentAccess``). Stored with the cluster, pushed to the
+agents inside the versioned node policy (domain/policy.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,11 @@ MAX_IN_MEMORY_RETENTION = 100
 MAX_REPLICATION_FACTOR = 3
 # s3://bucket[/prefix]: bucket names as S3 allows them (3-63 of a-z 0-9 . -, alphanumeric ends).
 S3_URI = re.compile(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?")
+# Open: the agents' /v1/cp routes serve anyone who reaches them, as HyperPod's daemon trusts its
+# pod network (the amzn-sagemaker-checkpointing library sends no credentials). Token: writes and
+# deletes on /v1/cp, and every /v1/fast route, need the cluster's checkpoint token.
+AGENT_ACCESS_MODES = ("Open", "Token")
+DEFAULT_AGENT_ACCESS = "Open"
 MEMBERS = (
     "S3BaseUri",
     "PersistEverySteps",
@@ -27,6 +34,7 @@ MEMBERS = (
     "S3Retention",
     "InMemoryRetention",
     "ReplicationFactor",
+    "AgentAccess",
 )
 
 
@@ -48,6 +56,7 @@ class CheckpointPolicy:
     s3_retention: int | None = None
     in_memory_retention: int = DEFAULT_IN_MEMORY_RETENTION
     replication_factor: int = DEFAULT_REPLICATION_FACTOR
+    agent_access: str = DEFAULT_AGENT_ACCESS
 
     @classmethod
     def from_stored(cls, stored: dict[str, Any] | None) -> CheckpointPolicy:
@@ -61,7 +70,16 @@ class CheckpointPolicy:
             "S3Retention": self.s3_retention,
             "InMemoryRetention": self.in_memory_retention,
             "ReplicationFactor": self.replication_factor,
+            "AgentAccess": self.agent_access,
         }
+
+    def access_document(self, checkpoint_token: str) -> dict[str, Any]:
+        """The ``checkpoint_access`` member of a node policy. In Token mode it carries the
+        SHA-256 of the cluster's checkpoint token, not the token: the agent can check a token
+        with it, and nobody learns the token from a policy (an agent's ``GET /v1/policy`` is open)."""
+        if self.agent_access != "Token":
+            return {"mode": "Open"}
+        return {"mode": "Token", "token_sha256": hashlib.sha256(checkpoint_token.encode()).hexdigest()}
 
     def s3_document(self, endpoint: S3Endpoint) -> dict[str, Any] | None:
         """The ``s3`` member of a node policy: None until a base URI is set."""
@@ -122,6 +140,13 @@ def parse_policy(body: object) -> CheckpointPolicy:
     s3_retention = _integer(body, "S3Retention", errors, low=1)
     memory = _integer(body, "InMemoryRetention", errors, low=1, high=MAX_IN_MEMORY_RETENTION)
     factor = _integer(body, "ReplicationFactor", errors, low=0, high=MAX_REPLICATION_FACTOR)
+    access = body.get("AgentAccess")
+    if access is not None and access not in AGENT_ACCESS_MODES:
+        shown = access if isinstance(access, str) and len(access) <= 64 else f"{str(access)[:64]}..."
+        errors.append(
+            f"Value '{shown}' at 'agentAccess' failed to satisfy constraint: "
+            f"Member must satisfy enum value set: [{', '.join(AGENT_ACCESS_MODES)}]"
+        )
     if uri is not None and steps is None and seconds is None:
         errors.append("With S3BaseUri set, PersistEverySteps or PersistEverySeconds (or both) is required")
     if uri is None and (steps is not None or seconds is not None or s3_retention is not None):
@@ -135,4 +160,5 @@ def parse_policy(body: object) -> CheckpointPolicy:
         s3_retention=s3_retention,
         in_memory_retention=memory if memory is not None else DEFAULT_IN_MEMORY_RETENTION,
         replication_factor=factor if factor is not None else DEFAULT_REPLICATION_FACTOR,
+        agent_access=access if isinstance(access, str) else DEFAULT_AGENT_ACCESS,
     )

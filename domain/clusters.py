@@ -352,6 +352,7 @@ class ClusterService:
                 generation=1,
                 token=self.ids.token(),
                 bootstrap_token=self.config.bootstrap_token or self.ids.token(),
+                checkpoint_token=self.ids.token(),
             )
             cluster.instance_groups = [
                 self._new_group(spec, i, restricted=False) for i, spec in enumerate(groups)

@@ -59,4 +59,6 @@ def build_policy(
         "s3": checkpoint.s3_document(s3_endpoint) if enabled else None,
         # Injected faults the agent applies itself (domain/faults.py): S3 faults, in its S3 client.
         "faults": {"s3": s3_fault_document(cluster)},
+        # Who may write to the agent's checkpoint routes (AgentAccess), with the token's hash.
+        "checkpoint_access": checkpoint.access_document(cluster.checkpoint_token),
     }

@@ -37,6 +37,7 @@ POLICY_MEMBERS = (
     "S3Retention",
     "InMemoryRetention",
     "ReplicationFactor",
+    "AgentAccess",  # kept by --set like the others: a change of one member never reopens the agents
 )
 
 

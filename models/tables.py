@@ -63,6 +63,9 @@ class Cluster(Base):
     # Agent <-> control plane secrets (docs/agent-protocol.md).
     token: Mapped[str] = mapped_column(String(64))
     bootstrap_token: Mapped[str] = mapped_column(String(64))
+    # What trainers send to the agents' checkpoint routes when AgentAccess is Token (agents get
+    # only its SHA-256, in the node policy).
+    checkpoint_token: Mapped[str] = mapped_column(String(64))
 
     instance_groups: Mapped[list[InstanceGroup]] = relationship(
         back_populates="cluster",

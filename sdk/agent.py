@@ -165,7 +165,10 @@ class FastWrite:
 
 
 class AgentClient:
-    """``shm_root``: the only directory whose files the fast path maps (default: ``shm_root_from()``)."""
+    """``shm_root``: the only directory whose files the fast path maps (default: ``shm_root_from()``).
+    ``checkpoint_token``: the cluster's checkpoint token (``GET /clusters/{name}/checkpoint-token``),
+    default ``HPSIM_CHECKPOINT_TOKEN``; sent on every call, and needed for saves and deletes when the
+    cluster's ``AgentAccess`` is ``Token``."""
 
     def __init__(
         self,
@@ -174,12 +177,17 @@ class AgentClient:
         fast_path: bool = True,
         timeout_s: float = 600.0,
         shm_root: str | os.PathLike[str] | None = None,
+        checkpoint_token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.fast_path = fast_path
         self.shm_root = os.fspath(shm_root) if shm_root is not None else shm_root_from()
+        token = checkpoint_token or os.environ.get("HPSIM_CHECKPOINT_TOKEN")
         self._http = httpx.Client(
-            base_url=self.base_url, timeout=httpx.Timeout(10.0, read=timeout_s), trust_env=False
+            base_url=self.base_url,
+            timeout=httpx.Timeout(10.0, read=timeout_s),
+            trust_env=False,
+            headers={"Authorization": f"Bearer {token}"} if token else None,
         )
         self._mappings: OrderedDict[str, _Mapping] = OrderedDict()
         self._read_maps: OrderedDict[str, tuple[mmap.mmap, tuple[int, int]]] = OrderedDict()

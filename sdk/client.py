@@ -217,11 +217,18 @@ class HyperPodClient:
 
     def put_checkpoint_policy(self, name: str, **policy: Any) -> dict[str, Any]:
         """Replace the policy (S3BaseUri, PersistEverySteps, PersistEverySeconds, S3Retention,
-        InMemoryRetention, ReplicationFactor); the cluster is Updating until every agent has it."""
+        InMemoryRetention, ReplicationFactor, AgentAccess); the cluster is Updating until every agent
+        has it."""
         answer: dict[str, Any] = self._rest(
             "PUT", f"/clusters/{quote(name, safe='')}/checkpoint-policy", json=policy
         )
         return answer
+
+    def checkpoint_token(self, name: str) -> str:
+        """The cluster's checkpoint token: what trainers send to its agents (``HPSIM_CHECKPOINT_TOKEN``)
+        when its checkpoint policy's ``AgentAccess`` is ``Token``."""
+        answer: dict[str, Any] = self._rest("GET", f"/clusters/{quote(name, safe='')}/checkpoint-token")
+        return str(answer["CheckpointToken"])
 
     # ------------------------------------------------------------------ checkpoints (extension)
 

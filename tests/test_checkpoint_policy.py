@@ -77,7 +77,8 @@ def test_defaults_update_and_rollout_status(control_plane: ControlPlane, sm: Any
         (
             {"Colour": "blue"},
             "1 validation error detected: Unknown member 'Colour': allowed members are S3BaseUri, "
-            "PersistEverySteps, PersistEverySeconds, S3Retention, InMemoryRetention, ReplicationFactor",
+            "PersistEverySteps, PersistEverySeconds, S3Retention, InMemoryRetention, ReplicationFactor, "
+            "AgentAccess",
         ),
     ],
 )

@@ -198,6 +198,7 @@ def test_create_from_flags_update_policy_delete(plane: str) -> None:
         "S3Retention": "-",
         "InMemoryRetention": "3",
         "ReplicationFactor": "1",
+        "AgentAccess": "Open",
     }
     generation = int(policy["PolicyGeneration"])
     changed = hpsim(
@@ -221,6 +222,11 @@ def test_create_from_flags_update_policy_delete(plane: str) -> None:
         "to satisfy constraint: Member must have value greater than or equal to 1"
     )
     assert json.loads(ok(hpsim(plane, "cluster", "policy", "flags", "--json")))["PersistEverySteps"] == 10
+    # AgentAccess too is kept by a --set of another member: changing one never reopens the agents.
+    ok(hpsim(plane, "cluster", "policy", "flags", "--set", "AgentAccess=Token", "--wait"))
+    changed = hpsim(plane, "cluster", "policy", "flags", "--set", "S3Retention=3", "--json", "--wait")
+    document = json.loads(ok(changed))
+    assert (document["AgentAccess"], document["S3Retention"]) == ("Token", 3)
 
     deleted = hpsim(plane, "cluster", "delete", "flags", "--wait")
     assert ok(deleted).splitlines() == [raw["ClusterArn"], "flags is deleted"]

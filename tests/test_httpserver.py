@@ -28,6 +28,7 @@ import pytest
 from agents.httpserver import (
     DRAIN_MAX_BYTES,
     MAX_HEADER_BYTES,
+    BodyDeadlineExceeded,
     ClientDisconnected,
     FileBody,
     HttpServer,
@@ -423,6 +424,21 @@ def test_a_body_shorter_than_its_content_length_times_out(serve: Callable[..., S
     conn.close()
 
 
+def test_a_body_that_trickles_in_is_cut_at_its_deadline(serve: Callable[..., ServerThread]) -> None:
+    # 1,000 bytes at 1,000 bytes/s after a base of 0.5 s: due 1.5 s after the first read, well
+    # before the 5 s without a byte that would end it otherwise.
+    server = serve(read_timeout_s=5, body_deadline_base_s=0.5, body_min_rate_bytes_per_s=1000)
+    client = server.raw()
+    client.deadline = time.monotonic() + 30
+    client.send(head("POST", "/upload", "Content-Length: 1000") + b"x" * 10)
+    status, headers, body = client.response()
+    assert (status, headers["connection"]) == (408, "close")
+    assert "did not arrive within its deadline" in json.loads(body)["message"]
+    assert client.closed_by_server()
+    client.close()
+    assert [type(exc) for exc in server.app.errors] == [BodyDeadlineExceeded]
+
+
 def test_a_body_longer_than_its_content_length_makes_a_bad_next_request(
     serve: Callable[..., ServerThread],
 ) -> None:
@@ -518,6 +534,16 @@ def test_a_request_head_over_the_limit_gets_431(serve: Callable[..., ServerThrea
         b"GET /ping HTTP/1.1\r\nno colon\r\n\r\n",
         b"POST /upload HTTP/1.1\r\nContent-Length: 1x\r\n\r\n",
         b"POST /upload HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+        # Content-Length in its one spelling only, within int64 (5,000 digits: no dropped task).
+        b"POST /upload HTTP/1.1\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
+        b"POST /upload HTTP/1.1\r\nContent-Length: 9223372036854775808\r\n\r\n",
+        b"POST /upload HTTP/1.1\r\nContent-Length: +5\r\n\r\n",
+        b"POST /upload HTTP/1.1\r\nContent-Length: 1_0\r\n\r\n",
+        b"POST /upload HTTP/1.1\r\nContent-Length: 05\r\n\r\n",
+        b"POST /upload HTTP/1.1\r\nContent-Length: \xd9\xa3\r\n\r\n",
+        b"PUT /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n+5\r\nhello\r\n0\r\n\r\n",
+        b"PUT /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n0\r\n\r\n",
+        b"PUT /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 5000 + b"\r\n",
     ],
 )
 def test_malformed_requests_get_400(serve: Callable[..., ServerThread], request_bytes: bytes) -> None:

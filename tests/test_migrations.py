@@ -63,6 +63,7 @@ def add_cluster(db: Database, name: str) -> None:
                 extra={},
                 token="t" * 64,
                 bootstrap_token="b" * 64,
+                checkpoint_token="c" * 64,
             )
         )
 

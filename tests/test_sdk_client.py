@@ -143,8 +143,12 @@ def test_checkpoint_policy(control_plane: ControlPlane, client: HyperPodClient) 
         "S3Retention": None,
         "InMemoryRetention": 3,
         "ReplicationFactor": 1,
+        "AgentAccess": "Open",
         "PolicyGeneration": 1,
     }
+    token = client.checkpoint_token("pol")
+    assert len(token) == 64
+    assert token == client.checkpoint_token("pol")  # one per cluster, made with it
     answer = client.put_checkpoint_policy(
         "pol", S3BaseUri="s3://ckpt/pol", PersistEverySteps=10, S3Retention=2
     )

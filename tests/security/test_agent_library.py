@@ -1,0 +1,90 @@
+"""The real amzn-sagemaker-checkpointing library (1.1.3) in each AgentAccess mode.
+
+Open (the default): it saves and loads through the agents unmodified. Token: the library sends
+no credentials, so its saves are refused (401 MissingToken; without an S3 tier of its own the
+save fails with SageMakerInMemoryTierError "In-memory write failed") while its reads stay open:
+it still restores the steps saved before, byte for byte. Back to Open, it saves again.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ControlPlane, free_port, wait_for
+from tests.test_memory_tier_library import ROOT, agents, run_job
+
+pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+
+
+@pytest.fixture
+def sm(agent_plane: ControlPlane) -> Any:
+    return agent_plane.client()
+
+
+def set_access(plane: ControlPlane, sm: Any, name: str, urls: list[str], mode: str) -> None:
+    response = httpx.put(f"{plane.url}/clusters/{name}/checkpoint-policy", json={"AgentAccess": mode})
+    assert response.status_code == 200, response.text
+    for agent in urls:
+        wait_for(
+            lambda agent=agent: httpx.get(f"{agent}/v1/policy").json()["checkpoint_access"]["mode"] == mode,
+            timeout=60,
+            what=f"AgentAccess {mode} on {agent}",
+        )
+    wait_for(
+        lambda: sm.describe_cluster(ClusterName=name)["ClusterStatus"] == "InService",
+        timeout=60,
+        what="the rollout",
+    )
+
+
+def failing_save(tmp_path: Path, urls: list[str], world_size: int, namespace: str, step: int) -> list[str]:
+    """A save of ``step`` that is expected to fail on every rank; each rank's log."""
+    port = free_port()
+    processes = []
+    for rank in range(world_size):
+        argv = [
+            sys.executable, "-m", "tests.dcp_worker",
+            "--rank", str(rank), "--world-size", str(world_size), "--master-port", str(port),
+            "--agent-url", urls[rank % len(urls)], "--namespace", namespace, "--steps", str(step),
+            "--out", str(tmp_path / f"refused-{rank}.json"),
+        ]  # fmt: skip
+        log = open(tmp_path / f"refused-{rank}.log", "wb")  # noqa: SIM115
+        processes.append((subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for process, log in processes:
+            process.wait(timeout=180)
+            log.close()
+    finally:
+        for process, _ in processes:
+            if process.poll() is None:
+                process.kill()
+    assert all(process.returncode != 0 for process, _ in processes)
+    return [(tmp_path / f"refused-{rank}.log").read_text(errors="replace") for rank in range(world_size)]
+
+
+def test_library_saves_in_open_mode_and_only_restores_in_token_mode(
+    agent_plane: ControlPlane, sm: Any, tmp_path: Path
+) -> None:
+    urls = agents(sm, agent_plane, "lib", 2)
+    # Open, the default: the library saves and loads unmodified.
+    results = run_job(tmp_path, urls, 2, "job", "1,2")
+    assert all(r["equal"] and r["loaded_step"] == 2 for r in results), results
+
+    set_access(agent_plane, sm, "lib", urls, "Token")
+    logs = failing_save(tmp_path, urls, 2, "job", 3)
+    assert any("SageMakerInMemoryTierError" in log for log in logs), logs[0][-3000:]
+    assert any('"error": "MissingToken"' in log for log in logs), logs[0][-3000:]  # what the agent said
+    # Nothing of step 3 was stored; the library still restores the newest step saved before.
+    assert httpx.get(f"{urls[0]}/v1/cp/checkpoints/job/latest").json() == [2, 1]
+    again = run_job(tmp_path, urls, 2, "job", "", extra=("--expect-step", "2"))
+    assert all(r["equal"] and r["loaded_step"] == 2 for r in again), again
+
+    set_access(agent_plane, sm, "lib", urls, "Open")
+    results = run_job(tmp_path, urls, 2, "job", "4")
+    assert all(r["equal"] and r["loaded_step"] == 4 for r in results), results
