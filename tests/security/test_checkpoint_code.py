@@ -193,6 +193,41 @@ def test_a_pickle_planted_on_s3_never_runs(
     assert "posix.system" in why
 
 
+def test_a_copy_rewritten_through_the_protocol_falls_back_to_a_good_copy(
+    agent_plane: ControlPlane,
+    sm: Any,
+    tmp_path: Path,
+    s3: Any,
+    bucket: str,
+    moto_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
+    (agent,) = (url(n) for n in cluster(sm, agent_plane, "rewritten", 1, instance_type="ml.g5.2xlarge"))
+    set_policy(agent_plane, sm, "rewritten", S3BaseUri=f"s3://{bucket}/r", PersistEverySteps=1)
+    config = trainer(agent, s3_tier_base_path=f"s3://{bucket}/r")
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(Payload(marker), protocol=0)
+    checkpoint(config, 1, note=len(payload) + 64)
+    wait_for(lambda: markers(s3, bucket, f"r/{NS}/") == [1], timeout=60, what="step 1 on S3")
+    # The attacker overwrites the agent's copy of step 1 in place: the payload (padded to the
+    # same length) over the string's record, the metadata untouched, the checksum recomputed.
+    ref = ref_of(get(agent, NS, 1, 1).content, "note")
+    shard = bytearray(get(agent, NS, 0, 1).content)
+    shard[ref["offset"] : ref["offset"] + ref["length"]] = payload.ljust(ref["length"], b" ")
+    assert put(agent, NS, 0, 1, bytes(shard)).status_code == 200
+    assert get(agent, NS, 0, 1).content == shard
+
+    loaded = resume(config, note=len(payload) + 64)
+
+    assert not marker.exists()
+    # Both copies in the agent's memory were refused by the decoder; S3's copy, verified against
+    # the commit marker written before the attack, loaded (byte for byte: resume checks it).
+    assert (loaded.step, loaded.served_by, loaded.skipped) == (1, {0: "s3-direct"}, {})
+    assert [why.split(":")[0] for why in loaded.rejected[0]] == ["memory (this node, mapped)", "memory"]
+    assert all("note: not a JSON value and refused by torch.load" in why for why in loaded.rejected[0])
+
+
 # -------------------------------------------------------------- checksum before decoding
 
 
