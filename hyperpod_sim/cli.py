@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hyperpod_sim.settings import Settings
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from api.app import create_app
+    from hyperpod_sim import serving
     from hyperpod_sim.settings import Settings
 
     overrides: dict[str, object] = {}
@@ -24,6 +26,19 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings(**overrides)  # type: ignore[arg-type]
     if args.database_url is not None:
         settings.database.url = args.database_url
+    try:
+        with serving.hold_lock(settings):
+            return _serve_locked(settings, args.log_level)
+    except serving.AlreadyServing as exc:
+        print(f"hyperpod-sim serve: {exc}", file=sys.stderr)
+        return 1
+
+
+def _serve_locked(settings: Settings, log_level: str) -> int:
+    """``serve`` once it holds the data dir (hyperpod_sim/serving.py)."""
+    from api.app import create_app
+    from hyperpod_sim import serving
+
     embedded = None
     agent_env: dict[str, str] = {}
     if settings.s3.embedded and settings.s3.endpoint_url is None:
@@ -44,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
             f"(database: {settings.database_url()})",
             flush=True,
         )
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+        # Returns after SIGINT or SIGTERM once the agents have stopped (drained to the S3 below).
+        serving.run(app, host=settings.host, port=settings.port, log_level=log_level)
     finally:
         if embedded is not None:
             embedded.stop()

@@ -347,9 +347,11 @@ def test_two_control_planes_push_once(database_url: str, tmp_path: Path) -> None
         "HPSIM_PROVISIONING__MODE": "local",
         "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.2",
         "HPSIM_RECONCILER__INTERVAL_S": "0.05",
+        "HPSIM_SIMULATION__SHM_ROOT": str(shm_root_for(tmp_path)),  # removed after the test
     }
-    first = ServerProcess(database_url, tmp_path, env).start()
-    second = ServerProcess(database_url, tmp_path, env).start()
+    # One database, two data dirs: a data dir is one control plane's (hyperpod_sim/serving.py).
+    first = ServerProcess(database_url, tmp_path / "first", env).start()
+    second = ServerProcess(database_url, tmp_path / "second", env).start()
     try:
         sm = first.client()
         create_tiered(sm, "pair", 4)
