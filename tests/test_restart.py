@@ -41,6 +41,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 HEARTBEAT_TIMEOUT_S = 3.0
 NS = "job"
 GATED_AGENT = [sys.executable, str(Path(__file__).resolve().parent / "gated_agent.py"), "agent"]
+LINGERING_AGENT = [sys.executable, str(Path(__file__).resolve().parent / "lingering_agent.py"), "agent"]
 
 
 def agent_env(moto_url: str) -> dict[str, str]:
@@ -222,6 +223,39 @@ def test_nodes_and_checkpoints_survive_a_restart(
         second.kill()
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_agents_of_a_killed_server_started_again_on_another_port_are_restarted_on_their_nodes(
+    database_url: str, data_dir: Path, moto_url: str, s3: Any, bucket: str
+) -> None:
+    """Agents left by a killed control plane call the address they were started with: one on
+    another port cannot adopt them, so it stops them (they drain) and starts them again."""
+    env = agent_env(moto_url)
+    first = ServerProcess(database_url, data_dir, env).start()
+    try:
+        nodes = tiered_cluster(first, "moved", bucket, s3)
+        pids = {n: find_agent_pids(n) for n in nodes}
+        stop(first, "sigkill")
+    finally:
+        first.kill()
+    stays_down(HEARTBEAT_TIMEOUT_S + 1)
+
+    second = ServerProcess(database_url, data_dir, env).start()  # another port
+    try:
+        up = time.time()
+        wait_for(lambda: heard_since(second, "moved", nodes, up), timeout=60, what="the same nodes Running")
+        now = {n: find_agent_pids(n) for n in nodes}
+        assert all(len(p) == 1 and p != pids[n] for n, p in now.items()), (pids, now)
+        assert markers(s3, bucket, f"moved/{NS}/") == [4, 6]  # drained when they were stopped
+        loaded = resume(agent_of(second, "moved", nodes[0]))
+        assert (loaded.step, loaded.served_by) == (6, {0: "memory"})
+        texts = descriptions(second, "moved")
+        assert not [t for t in texts if " failed" in t or "replaced" in t], texts
+        started = "The control plane started: the agents of 2 nodes were started again on their nodes"
+        assert any(t.startswith(started) for t in texts), texts
+    finally:
+        second.stop()
+
+
 def test_after_a_reboot_nodes_come_back_empty_and_the_trainer_resumes_from_s3(
     database_url: str, data_dir: Path, moto_url: str, s3: Any, bucket: str
 ) -> None:
@@ -251,6 +285,37 @@ def test_after_a_reboot_nodes_come_back_empty_and_the_trainer_resumes_from_s3(
         assert not [t for t in texts if " failed" in t or "replaced" in t], texts
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_second_ctrl_c_kills_the_agents_still_draining(database_url: str, data_dir: Path) -> None:
+    """The first Ctrl+C waits for the agents to drain (up to the kill grace, 60 s by default);
+    a second one does not wait: what still runs is killed, and serve exits."""
+    env = {
+        "HPSIM_PROVISIONING__MODE": "local",
+        "HPSIM_PROVISIONING__AGENT_COMMAND": json.dumps(LINGERING_AGENT),
+        "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.2",
+        "HPSIM_S3__EMBEDDED": "false",
+    }
+    server = ServerProcess(database_url, data_dir, env).start()
+    try:
+        sm = server.client()
+        sm.create_cluster(ClusterName="slow", InstanceGroups=[group("workers", 1, "ml.g5.2xlarge")])
+        with HyperPodClient(server.url) as client:
+            client.wait_until_in_service("slow", timeout=90)
+            (node,) = [n["InstanceId"] for n in client.list_nodes("slow")]
+        assert len(find_agent_pids(node)) == 2  # the lingering wrapper and the agent it runs
+        assert server.process is not None
+        os.killpg(server.process.pid, signal.SIGINT)
+        # The agent got its SIGTERM and exited; its wrapper lingers, as a long drain would.
+        wait_for(lambda: len(find_agent_pids(node)) == 1, timeout=30, what="the agent told to stop")
+        assert server.process.poll() is None  # still waiting for it
+        os.killpg(server.process.pid, signal.SIGINT)
+        assert server.process.wait(timeout=30) == 0
+        assert find_agent_pids(node) == []
+        assert not (data_dir / "agents" / node / "release").exists()  # killed, never released
+    finally:
+        server.kill()
 
 
 def test_two_servers_on_one_data_dir_or_sqlite_file_refuse(database_url: str, tmp_path: Path) -> None:
