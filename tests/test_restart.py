@@ -371,9 +371,13 @@ def test_creating_cluster_finishes_after_restart(database_url: str, tmp_path: Pa
             Tags=[{"Key": "team", "Value": "research"}],
         )["ClusterArn"]
         assert sm.describe_cluster(ClusterName="survivor")["ClusterStatus"] == "Creating"
-        summaries = sm.list_cluster_nodes(ClusterName="survivor")["ClusterNodeSummaries"]
-        nodes = [n["InstanceId"] for n in summaries]
-        wait_for(lambda: all(find_agent_pids(n) for n in nodes), timeout=30, what="the gated agents")
+
+        def launched() -> list[str] | None:
+            summaries = sm.list_cluster_nodes(ClusterName="survivor")["ClusterNodeSummaries"]
+            found = [n["InstanceId"] for n in summaries]
+            return found if len(found) == 2 and all(find_agent_pids(n) for n in found) else None
+
+        nodes = wait_for(launched, timeout=30, what="both nodes launched, their agents waiting")
     finally:
         first.kill()
 
