@@ -579,8 +579,14 @@ class Reconciler:
             return  # agents started elsewhere come back by themselves
         with self.db.read() as session:
             nodes = session.scalars(
-                select(Node).where(Node.status.in_([NodeStatus.PENDING, NodeStatus.RUNNING]))
+                select(Node)
+                .where(Node.status.in_([NodeStatus.PENDING, NodeStatus.RUNNING]))
+                .options(selectinload(Node.cluster))
             ).all()
+            # A node lost to a NodeLoss fault stays lost (the heartbeat timeout fails it), as when
+            # its agent crashes (_restart_crashed_agents).
+            lost = {node_id for node in nodes for node_id in faults.lost_nodes(node.cluster)}
+            nodes = [node for node in nodes if node.id not in lost]
             what = {node.id: "adopted" if node.id in running else "started again" for node in nodes}
             by_cluster: dict[str, list[str]] = {}
             for node in nodes:
