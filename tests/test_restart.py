@@ -27,9 +27,18 @@ import pytest
 from torch.distributed.checkpoint import save
 
 from domain.provisioning import find_agent_pids
+from domain.reconciler import Reconciler
 from sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
 from sdk.client import HyperPodClient
-from tests.conftest import EKS, ServerProcess, group, kill_processes_under, shm_root_for, wait_for
+from tests.conftest import (
+    EKS,
+    ControlPlane,
+    ServerProcess,
+    group,
+    kill_processes_under,
+    shm_root_for,
+    wait_for,
+)
 from tests.sdk_worker import same, training_state
 from tests.test_s3_tier import CREDENTIALS, bucket, keys, markers, moto_url, s3
 
@@ -152,6 +161,50 @@ def stop(server: ServerProcess, mode: str) -> int:
 
 
 # ---------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize(
+    "settings_overrides", [{"provisioning": {"mode": "external", "heartbeat_timeout_s": 10}}]
+)
+def test_heartbeat_deadlines_count_from_the_control_planes_start(control_plane: ControlPlane) -> None:
+    """The reconciler alone, on the manual clock: a node last heard an hour before a control plane
+    starts is not failed at its start, but a heartbeat timeout after it."""
+    sm = control_plane.client()
+    sm.create_cluster(ClusterName="quiet", InstanceGroups=[group("workers", 1)], NodeRecovery="None")
+    services = control_plane.services
+    bootstrap = httpx.get(f"{control_plane.url}/clusters/quiet/agent-bootstrap").json()["BootstrapToken"]
+    registered = services.agents.register(
+        cluster_name="quiet", token=bootstrap, node_id=None, endpoint="http://127.0.0.1:9", pid=None
+    )
+    node, token = registered["node_id"], registered["cluster_token"]
+    services.agents.heartbeat(
+        cluster_name="quiet", node_id=node, token=token, applied_generation=1, endpoint=None, pid=None
+    )
+    wait_for(lambda: sm.describe_cluster(ClusterName="quiet")["ClusterStatus"] == "InService")
+    services.reconciler.stop()  # the control plane goes down...
+
+    control_plane.clock.advance(3600)  # ...for an hour; then another one starts on its database
+    old = services.reconciler
+    restarted = Reconciler(
+        db=old.db, clock=old.clock, ids=old.ids, provisioner=old.provisioner, config=old.config
+    )
+
+    def status() -> str:
+        summaries = sm.list_cluster_nodes(ClusterName="quiet")["ClusterNodeSummaries"]
+        return str(summaries[0]["InstanceStatus"]["Status"])
+
+    restarted.run_once()
+    assert status() == "Running"
+    control_plane.clock.advance(9)
+    restarted.run_once()
+    assert status() == "Running"
+    control_plane.clock.advance(1)  # a heartbeat timeout since the start, and still silent
+    restarted.run_once()
+    assert status() == "Failure"
+    assert (
+        sm.describe_cluster_node(ClusterName="quiet", NodeId=node)["NodeDetails"]["InstanceStatus"]["Message"]
+        == "Node failed: no heartbeat from its agent for 10 s."
+    )
 
 
 @pytest.mark.parametrize("mode", ["ctrl-c", "sigterm", "sigkill"])
