@@ -14,6 +14,13 @@
 Only the local provisioner owns its agents' processes, so only it can restart a crashed agent
 (the reconciler asks ``running_agents``) and inject node faults (``kill_agent``, ``pause_agent``,
 ``resume_agent``; domain/faults.py).
+
+The local provisioner's agents live through a restart of the control plane (README, "What a
+restart keeps"). Each runs in a session of its own, so the Ctrl+C that the terminal sends to the
+control plane's process group does not reach it, and only the control plane's shutdown stops it
+(``stop_agents``: SIGTERM, the agent drains to S3, SIGKILL after the grace period; shared memory
+kept). Agents that a killed control plane left running are found again by their command line
+(``agent_processes``) and adopted by the next one (``adopt_agents``), never started twice.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -52,8 +60,15 @@ class Provisioner(Protocol):
         """Whether a ShuttingDown node's agent is gone, so that its row (and, once every node's is,
         a deleted cluster's) can go too."""
 
-    def is_running(self, node: Node) -> bool:
-        """Whether the node's agent process exists (as far as this provisioner can tell)."""
+    def adopt_agents(self) -> set[str] | None:
+        """At the control plane's start: the node ids whose agent process still runs and talks to
+        this control plane (left by one that was killed), which are adopted as they are; None:
+        cannot tell (agents started elsewhere come back by themselves)."""
+
+    def stop_agents(self, *, hurry: threading.Event | None = None) -> list[str]:
+        """At the control plane's stop: stop every agent process it runs and wait until they have
+        exited (each drains to S3 first; SIGKILL after the grace period, or at once when ``hurry``
+        is set); their shared memory stays. The node ids whose agent was stopped."""
 
     def is_ready(self, node: Node, now: datetime) -> bool:
         """Simulated mode only: whether the launch delay has passed."""
@@ -93,6 +108,12 @@ class _NoProcesses:
     def running_agents(self) -> set[str] | None:
         return None
 
+    def adopt_agents(self) -> set[str] | None:
+        return None
+
+    def stop_agents(self, *, hurry: threading.Event | None = None) -> list[str]:
+        return []
+
     def kill_agent(self, node: Node, *, wipe_memory: bool) -> list[int]:
         raise NotImplementedError("this provisioner owns no agent processes")
 
@@ -121,9 +142,6 @@ class SimulatedProvisioner(_NoProcesses):
     def has_stopped(self, node: Node) -> bool:
         return True
 
-    def is_running(self, node: Node) -> bool:
-        return True
-
     def is_ready(self, node: Node, now: datetime) -> bool:
         return now >= node.ready_at
 
@@ -145,9 +163,6 @@ class ExternalProvisioner(_NoProcesses):
         # next heartbeat, and the row goes at once.
         return True
 
-    def is_running(self, node: Node) -> bool:
-        return True
-
     def is_ready(self, node: Node, now: datetime) -> bool:
         return False
 
@@ -155,41 +170,56 @@ class ExternalProvisioner(_NoProcesses):
         return None
 
 
-def find_agent_pids(node_id: str) -> list[int]:
-    """Processes on this machine running the agent of ``node_id`` (by their command line)."""
-    marker = f"--node-id\0{node_id}\0".encode()
-    pids = []
+@dataclass(frozen=True)
+class AgentProcess:
+    """An agent process on this machine, as its command line describes it."""
+
+    pid: int
+    node_id: str
+    control_plane: str | None
+    data_dir: Path | None
+
+
+def _flag(argv: list[bytes], name: bytes) -> str | None:
+    index = argv.index(name) + 1 if name in argv else len(argv)
+    return argv[index].decode(errors="replace") if index < len(argv) else None
+
+
+def agent_processes() -> list[AgentProcess]:
+    """Every agent process on this machine with a node id (one pass over /proc): a command line
+    with an argument ending in ``agent`` and ``--node-id``. A zombie has none, so is not one."""
+    found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
-                cmdline = handle.read()
+                argv = handle.read().split(b"\0")
         except OSError:
             continue
-        if marker in cmdline and b"agent\0" in cmdline:
-            pids.append(int(entry.name))
-    return pids
+        node_id = _flag(argv, b"--node-id")
+        if node_id is None or not any(arg.endswith(b"agent") for arg in argv):
+            continue
+        data_dir = _flag(argv, b"--data-dir")
+        found.append(
+            AgentProcess(
+                pid=int(entry.name),
+                node_id=node_id,
+                control_plane=_flag(argv, b"--control-plane"),
+                data_dir=Path(data_dir) if data_dir is not None else None,
+            )
+        )
+    return found
+
+
+def find_agent_pids(node_id: str) -> list[int]:
+    """Processes on this machine running the agent of ``node_id`` (by their command line)."""
+    return [agent.pid for agent in agent_processes() if agent.node_id == node_id]
 
 
 def agent_node_ids() -> set[str]:
-    """The node ids of every agent process on this machine (one pass over /proc), matched as
-    ``find_agent_pids`` matches them."""
-    found: set[str] = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-        except OSError:
-            continue
-        argv = cmdline.split(b"\0")
-        if b"agent\0" in cmdline and b"--node-id" in argv:  # as find_agent_pids matches them
-            index = argv.index(b"--node-id") + 1
-            if index < len(argv):
-                found.add(argv[index].decode(errors="replace"))
-    return found
+    """The node ids of every agent process on this machine."""
+    return {agent.node_id for agent in agent_processes()}
 
 
 def _signal_all(pids: list[int], signum: int) -> list[int]:
@@ -246,8 +276,15 @@ class LocalProvisioner:
         # The token travels in the environment, not on the command line that `ps` shows.
         env = {**os.environ, **self.agent_env, "HPSIM_AGENT_TOKEN": cluster.token}
         with open(agent_dir / "agent.log", "ab") as logfile:
+            # A session of its own: the SIGINT of a Ctrl+C in the control plane's terminal goes to
+            # the control plane's process group only; its shutdown stops the agents (stop_agents).
             process = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         node.pid = process.pid
         self._children[process.pid] = process
@@ -272,14 +309,61 @@ class LocalProvisioner:
     def has_stopped(self, node: Node) -> bool:
         return not find_agent_pids(node.id)
 
-    def is_running(self, node: Node) -> bool:
-        return bool(find_agent_pids(node.id))
-
     def is_ready(self, node: Node, now: datetime) -> bool:
         return False
 
     def running_agents(self) -> set[str] | None:
         return agent_node_ids()
+
+    def _own(self, agent: AgentProcess) -> bool:
+        """Whether this control plane started ``agent`` (its data dir is under this one's)."""
+        return agent.data_dir is not None and agent.data_dir.parent == self.data_dir / "agents"
+
+    def adopt_agents(self) -> set[str] | None:
+        """Agents of this data dir that talk to another address (the control plane was killed and
+        started on another port) cannot heartbeat here: they are stopped, and started again by the
+        reconciler. The others, and those of other data dirs (another control plane's, on one
+        PostgreSQL database), are left as they are."""
+        agents = agent_processes()
+        stale = [a for a in agents if self._own(a) and a.control_plane != self.control_plane_url]
+        if stale:
+            log.warning(
+                "stopping %d agents started for another control plane address: %s",
+                len(stale),
+                ", ".join(f"{a.node_id} (pid {a.pid}, {a.control_plane})" for a in stale),
+            )
+            self._stop(stale)
+        stopped = {a.pid for a in stale}
+        return {a.node_id for a in agents if a.pid not in stopped}
+
+    def stop_agents(self, *, hurry: threading.Event | None = None) -> list[str]:
+        agents = [a for a in agent_processes() if self._own(a)]
+        self._stop(agents, hurry=hurry)
+        return sorted({a.node_id for a in agents})
+
+    def _stop(self, agents: Iterable[AgentProcess], *, hurry: threading.Event | None = None) -> None:
+        """SIGTERM ``agents`` and wait until they have exited: SIGKILL those still there after the
+        kill grace period (at once once ``hurry`` is set). Their shared memory stays."""
+        pids = {a.pid for a in agents}
+        for pid in _signal_all(sorted(pids), signal.SIGTERM):
+            self._stopping.setdefault(pid, time.monotonic())
+        _signal_all(sorted(pids), signal.SIGCONT)  # a stopped (hung) agent must wake to see the TERM
+        deadline = time.monotonic() + self.kill_grace_s
+        killed = False
+        while True:
+            self.reap()  # our own children are collected, so they do not linger as zombies
+            alive = pids & {a.pid for a in agent_processes()}
+            if not alive:
+                return
+            if not killed and (time.monotonic() >= deadline or (hurry is not None and hurry.is_set())):
+                log.warning("agents %s did not stop in time; killing them", sorted(alive))
+                _signal_all(sorted(alive), signal.SIGKILL)
+                killed = True
+                deadline = time.monotonic() + 10.0  # for the kernel to take them away
+            elif killed and time.monotonic() >= deadline:
+                log.error("agents %s are still there after SIGKILL", sorted(alive))
+                return
+            time.sleep(0.05)
 
     def kill_agent(self, node: Node, *, wipe_memory: bool) -> list[int]:
         pids = _signal_all(find_agent_pids(node.id), signal.SIGKILL)

@@ -15,6 +15,8 @@ import http.client
 import json
 import logging
 import threading
+from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -119,10 +121,18 @@ class Reconciler:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._adopted = False
+        # When this control plane came up: no node is failed for the silence before (its agent
+        # could not reach a control plane that was down), as none is for a database outage's.
+        self._up_since = clock.now()
+        # Nodes whose agent this control plane started again at its start (README, "What a restart
+        # keeps"): each has as long to register as a new node's.
+        self._started_again: set[str] = set()
+        self._stopped = False
 
     # ------------------------------------------------------------------ thread
 
     def start(self) -> None:
+        self._up_since = self.clock.now()
         if self.provisioner.uses_agents:
             self._pool = ThreadPoolExecutor(
                 max_workers=self.config.push_workers, thread_name_prefix="policy-push"
@@ -130,13 +140,23 @@ class Reconciler:
         self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, *, hurry: threading.Event | None = None) -> None:
+        """Stop reconciling, then stop the agents this control plane runs (each drains to S3
+        first; ``hurry``: kill those still draining) and wait for them: nothing it started
+        outlives it. Their nodes stay as they are, shared memory included, and the next start
+        starts their agents again (``_adopt_agents``). Idempotent."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._stopped:
+            return
+        self._stopped = True
+        stopped = self.provisioner.stop_agents(hurry=hurry)
+        if stopped:
+            self._record_start_or_stop(dict.fromkeys(stopped, "stopped"), _stopping)
 
     def wake(self) -> None:
         self._wake.set()
@@ -362,42 +382,46 @@ class Reconciler:
     def _detect_failures(self, session: Session, cluster: Cluster, now: datetime, outcome: Outcome) -> None:
         heartbeat_timeout = timedelta(seconds=self.config.heartbeat_timeout_s)
         launch_timeout = timedelta(seconds=self.config.launch_timeout_s)
-        # Heartbeats refused while the database was down do not count against a node: it has a
-        # whole timeout from the database's last failure (the epoch when it never failed).
-        database_back = datetime.fromtimestamp(self.db.last_unavailable_at, tz=UTC)
+        # Silence while the control plane could not hear does not count against a node: it has a
+        # whole timeout from the database's last failure (heartbeats refused; the epoch when it
+        # never failed) and from this control plane's start (heartbeats nobody was there to hear).
+        back = max(datetime.fromtimestamp(self.db.last_unavailable_at, tz=UTC), self._up_since)
         replaced = False
         for node in list(cluster.nodes):
             reason = None
             if node.status in (NodeStatus.PENDING, NodeStatus.RUNNING):
                 restarted = node.agent_restarted_at
+                last_heartbeat = node.last_heartbeat
                 if node.id in outcome.restart_pending:
                     # The control plane is restarting its agent (a kubelet's CrashLoopBackOff): the
                     # node stays up through the backoff; the restarted agent then has the launch
                     # timeout to register (below).
                     pass
-                elif (
-                    restarted is not None
-                    and node.last_heartbeat is not None
-                    and restarted >= node.last_heartbeat
+                elif last_heartbeat is not None and (
+                    (restarted is not None and restarted >= last_heartbeat)
+                    or self._started_again_and_silent(node)
                 ):
-                    # A restarted agent has as long to register as a new one, counted from the
-                    # last heartbeat: an agent that keeps crashing does not keep its node alive.
-                    deadline = node.last_heartbeat + heartbeat_timeout + launch_timeout
+                    # A restarted agent (after a crash, or with the control plane) has as long to
+                    # register as a new one, counted from the last heartbeat: an agent that keeps
+                    # crashing does not keep its node alive.
+                    deadline = max(last_heartbeat, back) + heartbeat_timeout + launch_timeout
                     if now >= deadline:
+                        why = "crashed and was restarted"
+                        if self._started_again_and_silent(node):
+                            why = "was started again with the control plane"
                         reason = (
-                            "its agent crashed and was restarted, but did not register within "
-                            f"{self.config.launch_timeout_s:g} s"
+                            f"its agent {why}, but did not register within {self.config.launch_timeout_s:g} s"
                         )
                     else:
                         outcome.note_due(deadline)
-                elif node.last_heartbeat is not None:
-                    deadline = max(node.last_heartbeat, database_back) + heartbeat_timeout
+                elif last_heartbeat is not None:
+                    deadline = max(last_heartbeat, back) + heartbeat_timeout
                     if now >= deadline:
                         reason = f"no heartbeat from its agent for {self.config.heartbeat_timeout_s:g} s"
                     else:
                         outcome.note_due(deadline)
                 else:
-                    deadline = node.launch_time + launch_timeout
+                    deadline = max(node.launch_time, back) + launch_timeout
                     if now >= deadline:
                         reason = f"its agent did not register within {self.config.launch_timeout_s:g} s"
                     else:
@@ -425,6 +449,12 @@ class Reconciler:
                 outcome.changed = outcome.again = True
         if replaced:
             cluster.generation += 1  # the ring changed: every node's replica peers may have
+
+    def _started_again_and_silent(self, node: Node) -> bool:
+        """Whether this control plane started the node's agent again at its start and has not
+        heard from it since."""
+        last = node.last_heartbeat
+        return node.id in self._started_again and (last is None or last < self._up_since)
 
     def _restart_crashed_agents(
         self, session: Session, cluster: Cluster, now: datetime, outcome: Outcome
@@ -537,21 +567,53 @@ class Reconciler:
     # ------------------------------------------------------------------ agents
 
     def _adopt_agents(self) -> None:
-        """At start: every live node should have an agent; start those that do not (the
-        machine rebooted, or a previous control plane stopped them)."""
+        """At start: every live node should have an agent. Those that a killed control plane left
+        running are adopted as they are; the others (stopped by the last control plane's shutdown,
+        or gone with a reboot) are started again on their nodes: same node id, same shared memory
+        directory, where each finds the shards it held (README, "What a restart keeps")."""
         self._adopted = True
         if not self.provisioner.uses_agents:
             return
+        running = self.provisioner.adopt_agents()
+        if running is None:
+            return  # agents started elsewhere come back by themselves
         with self.db.read() as session:
             nodes = session.scalars(
-                select(Node).where(Node.status.in_([NodeStatus.PENDING, NodeStatus.RUNNING]))
+                select(Node)
+                .where(Node.status.in_([NodeStatus.PENDING, NodeStatus.RUNNING]))
+                .options(selectinload(Node.cluster))
             ).all()
+            # A node lost to a NodeLoss fault stays lost (the heartbeat timeout fails it), as when
+            # its agent crashes (_restart_crashed_agents).
+            lost = {node_id for node in nodes for node_id in faults.lost_nodes(node.cluster)}
+            nodes = [node for node in nodes if node.id not in lost]
+            what = {node.id: "adopted" if node.id in running else "started again" for node in nodes}
             by_cluster: dict[str, list[str]] = {}
             for node in nodes:
-                if not self.provisioner.is_running(node):
+                if node.id not in running:
                     by_cluster.setdefault(node.cluster_id, []).append(node.id)
+        if what:
+            self._record_start_or_stop(what, _started)
         for cluster_id, node_ids in by_cluster.items():
+            self._started_again.update(node_ids)
             self._launch_agents(cluster_id, node_ids)
+
+    def _record_start_or_stop(self, what: dict[str, str], describe: Callable[[Counter[str]], str]) -> None:
+        """One event per cluster for the control plane's start or stop: ``what`` maps node ids to
+        what happened to their agent; ``describe`` words a cluster's counts of each."""
+        try:
+            with self.db.write() as session:
+                now = self.clock.now()
+                nodes = session.scalars(select(Node).where(Node.id.in_(list(what)))).all()
+                for cluster_id in sorted({n.cluster_id for n in nodes}):
+                    cluster = session.get(Cluster, cluster_id)
+                    if cluster is not None:
+                        counts = Counter(what[n.id] for n in nodes if n.cluster_id == cluster_id)
+                        events.record(
+                            session, ids=self.ids, now=now, cluster=cluster, description=describe(counts)
+                        )
+        except OperationalError as exc:  # the database is down: the event is lost, nothing else
+            log.warning("could not record the control plane's start or stop: %s", exc.orig)
 
     def _launch_agents(self, cluster_id: str, node_ids: list[str]) -> None:
         """Start agents for committed nodes; a node whose agent cannot start fails."""
@@ -659,3 +721,27 @@ class Reconciler:
                 node.next_push_at = now + timedelta(seconds=delay)
                 node.last_error = f"policy push of generation {result.generation} failed: {result.error}"
                 log.info("push to %s failed (attempt %d): %s", node.id, node.push_attempts, result.error)
+
+
+def _agents_of(count: int) -> str:
+    return "the agent of 1 node" if count == 1 else f"the agents of {count} nodes"
+
+
+def _started(counts: Counter[str]) -> str:
+    parts = []
+    if counts["adopted"]:
+        parts.append(f"{_agents_of(counts['adopted'])} kept running and were adopted")
+    if counts["started again"]:
+        parts.append(
+            f"{_agents_of(counts['started again'])} were started again on their nodes (same node ids, "
+            "same shared-memory directories)"
+        )
+    return f"The control plane started: {'; '.join(parts)}."
+
+
+def _stopping(counts: Counter[str]) -> str:
+    return (
+        f"The control plane is stopping: it stopped {_agents_of(counts['stopped'])}, each after "
+        "persisting its newest complete step to S3; their shared memory is kept and they start "
+        "again with the control plane."
+    )

@@ -13,9 +13,7 @@ if TYPE_CHECKING:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from api.app import create_app
+    from hyperpod_sim import serving
     from hyperpod_sim.settings import Settings
 
     overrides: dict[str, object] = {}
@@ -39,6 +37,19 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        with serving.hold_lock(settings):
+            return _serve_locked(settings, args.log_level)
+    except serving.AlreadyServing as exc:
+        print(f"hyperpod-sim serve: {exc}", file=sys.stderr)
+        return 1
+
+
+def _serve_locked(settings: Settings, log_level: str) -> int:
+    """``serve`` once it holds the data dir (hyperpod_sim/serving.py)."""
+    from api.app import create_app
+    from hyperpod_sim import serving
+
     embedded = None
     agent_env: dict[str, str] = {}
     if settings.s3.embedded and settings.s3.endpoint_url is None:
@@ -59,7 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
             f"(database: {settings.database_url()}; {_auth_line(settings)})",
             flush=True,
         )
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+        # Returns after SIGINT or SIGTERM once the agents have stopped (drained to the S3 below).
+        serving.run(app, host=settings.host, port=settings.port, log_level=log_level)
     finally:
         if embedded is not None:
             embedded.stop()

@@ -263,33 +263,35 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
+        # Its output goes to a file, not a pipe nobody reads while it runs (a full pipe would
+        # stop it); a failure shows the end of it (``log_tail``).
+        self.log = data_dir / f"serve-{self.port}.log"
+
+    def log_tail(self, size: int = 4000) -> str:
+        try:
+            return self.log.read_bytes()[-size:].decode(errors="replace")
+        except OSError:
+            return ""
 
     def start(self) -> ServerProcess:
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hyperpod_sim",
-                "serve",
-                "--port",
-                str(self.port),
-                "--database-url",
-                self.database_url,
-                "--data-dir",
-                str(self.data_dir),
-            ],
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "hyperpod_sim", "serve", "--port", str(self.port)]
+        argv += ["--database-url", self.database_url, "--data-dir", str(self.data_dir)]
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                argv,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a process group of its own, as a terminal gives it
+            )
         wait_for(self._healthy, timeout=60, what="control plane process to answer /health")
         return self
 
     def _healthy(self) -> bool:
         assert self.process is not None
         if self.process.poll() is not None:
-            stderr = self.process.stderr.read().decode() if self.process.stderr else ""
-            raise AssertionError(f"control plane exited with {self.process.returncode}: {stderr}")
+            raise AssertionError(f"control plane exited with {self.process.returncode}: {self.log_tail()}")
         try:
             return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
         except httpx.HTTPError:

@@ -113,11 +113,17 @@ def test_rollout_budget_and_ring(agent_plane: ControlPlane, sm: Any) -> None:
     assert current == start
     assert sorted(seen) == sorted(policies)
 
-    # UpdateCluster: the cluster is InService only once every agent applied generation 2.
-    sm.update_cluster(
-        ClusterName="ring", TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": 50}
-    )
-    assert sm.describe_cluster(ClusterName="ring")["ClusterStatus"] == "Updating"
+    # UpdateCluster: the cluster is InService only once every agent applied generation 2. One
+    # agent is frozen until the test has looked, so the rollout cannot finish first on a fast
+    # machine.
+    (frozen,) = find_agent_pids(details[0]["InstanceId"])
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        tiered = {"Mode": "Enable", "InstanceMemoryAllocationPercentage": 50}
+        sm.update_cluster(ClusterName="ring", TieredStorageConfig=tiered)
+        assert sm.describe_cluster(ClusterName="ring")["ClusterStatus"] == "Updating"
+    finally:
+        os.kill(frozen, signal.SIGCONT)
     wait_status(sm, "ring", "InService")
     for node in nodes(agent_plane, "ring"):
         policy = agent_policy(node)
@@ -347,9 +353,11 @@ def test_two_control_planes_push_once(database_url: str, tmp_path: Path) -> None
         "HPSIM_PROVISIONING__MODE": "local",
         "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.2",
         "HPSIM_RECONCILER__INTERVAL_S": "0.05",
+        "HPSIM_SIMULATION__SHM_ROOT": str(shm_root_for(tmp_path)),  # removed after the test
     }
-    first = ServerProcess(database_url, tmp_path, env).start()
-    second = ServerProcess(database_url, tmp_path, env).start()
+    # One database, two data dirs: a data dir is one control plane's (hyperpod_sim/serving.py).
+    first = ServerProcess(database_url, tmp_path / "first", env).start()
+    second = ServerProcess(database_url, tmp_path / "second", env).start()
     try:
         sm = first.client()
         create_tiered(sm, "pair", 4)

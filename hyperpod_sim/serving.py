@@ -1,0 +1,116 @@
+"""How ``hyperpod-sim serve`` holds its data dir and stops: one control plane per data dir (and per
+SQLite file), and a graceful stop that leaves no agent process behind.
+
+- **The lock.** ``serve`` takes an exclusive ``flock`` on ``<data dir>/serve.lock`` and, on SQLite,
+  on ``<database file>.lock``, and writes its pid into each. A second ``serve`` on either refuses
+  to start and names the first one's pid. The kernel drops the lock with the process, however it
+  ends (SIGKILL included), so a stale lock file never blocks a start. Two control planes may still
+  share one PostgreSQL database, each with its own data dir.
+- **The stop.** SIGINT (Ctrl+C, which the terminal sends to the whole process group) and SIGTERM
+  (to the server's pid) both stop it gracefully: the reconciler stops, then every agent it runs is
+  told to stop (SIGTERM) and waited for, while the API still answers (a draining agent may call
+  it) and before the embedded S3 endpoint stops (the agents drain their newest complete step to
+  it). Agents run in sessions of their own (domain/provisioning.py), so the Ctrl+C reaches only
+  this process; a second Ctrl+C kills the agents still draining. Shared memory is kept: the next
+  ``serve`` starts the agents again on the same nodes, and they find their shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from sqlalchemy.engine import make_url
+
+from hyperpod_sim.settings import Settings
+
+
+class AlreadyServing(Exception):
+    """Another control plane holds the data dir or the SQLite file."""
+
+
+def lock_paths(settings: Settings) -> list[tuple[Path, str]]:
+    """The lock files ``serve`` holds, each with what it protects (for the refusal's message)."""
+    data_dir = settings.data_dir.resolve()
+    paths = [(data_dir / "serve.lock", f"data dir {data_dir}")]
+    url = make_url(settings.database_url())
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        database = Path(url.database).resolve()
+        paths.append((database.with_name(database.name + ".lock"), f"SQLite database {database}"))
+    return paths
+
+
+@contextlib.contextmanager
+def hold_lock(settings: Settings) -> Iterator[None]:
+    """Hold every lock of :func:`lock_paths` for the block; AlreadyServing if another holds one."""
+    with contextlib.ExitStack() as stack:
+        for path, what in lock_paths(settings):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = stack.enter_context(open(path, "a+"))  # closed by the stack
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                raise AlreadyServing(
+                    f"another control plane (pid {holder}) is serving {what} (lock {path}); stop it "
+                    "first, or give this one its own --data-dir (and, on SQLite, --database-url)"
+                ) from None
+            handle.truncate(0)
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+        yield
+
+
+class ControlPlaneServer(uvicorn.Server):
+    """uvicorn, with the control plane's agents stopped before the listener closes."""
+
+    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+        super().__init__(config)
+        self._app = app
+        self._hurry = threading.Event()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self.force_exit:  # a second Ctrl+C: kill the agents that are still draining
+            self._hurry.set()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        services = getattr(self._app.state, "services", None)
+        if services is not None:
+            # In a thread: the event loop goes on serving the agents' calls while they drain. The
+            # lifespan's own stop then finds nothing left to do.
+            await asyncio.to_thread(services.reconciler.stop, hurry=self._hurry)
+        await super().shutdown(sockets)
+
+
+def run(app: Any, *, host: str, port: int, log_level: str) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM, then stop gracefully (see the module's docstring)."""
+    server = ControlPlaneServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False), app
+    )
+    # uvicorn raises the signal that stopped it again once it has returned; with the default
+    # handlers SIGTERM would then end the process before the caller's cleanup (the embedded S3)
+    # ran. It has been handled: let that be a no-op.
+    stopped = {sig: signal.signal(sig, _handled) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in stopped.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        raise SystemExit(3)  # as uvicorn.run: the start failed (uvicorn logged why)
+
+
+def _handled(sig: int, frame: FrameType | None) -> None:
+    return None
