@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from urllib.parse import parse_qs
 
 from agents.httpserver import DropConnection, Request, Response, error_response, json_response
 from agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier_metrics
@@ -66,25 +67,35 @@ class AgentApp:
         return json_response(200, self._state.policy or {"generation": 0})
 
     async def put_policy(self, request: Request) -> Response:
+        """A policy push: only from the control plane, with this node's control-plane token.
+        ``?reset=true``: apply it even if it is older than the one in force (the control plane
+        re-syncs an agent that holds a generation it never issued)."""
         state = self._state
-        auth = state.check_token(request.headers.get("authorization"))
+        auth = state.check_control_plane_token(request.headers.get("authorization"))
         if auth is AuthStatus.MISSING:
-            message = "missing or malformed Authorization header; expected 'Bearer <cluster token>'"
+            message = "missing or malformed Authorization header; expected 'Bearer <control-plane token>'"
             return error_response(401, "MissingToken", message, headers=_BEARER)
         if auth is AuthStatus.NOT_REGISTERED:
-            message = "the agent is not registered yet: it does not know the cluster token to check"
+            message = "the agent is not registered yet: it does not know the control-plane token to check"
             return error_response(401, "NotRegistered", message, headers=_BEARER)
         if auth is AuthStatus.WRONG:
             return error_response(
-                403, "InvalidToken", f"the token is not the cluster token of {state.cluster}"
+                403,
+                "InvalidToken",
+                f"the token is not the control-plane token of node {state.node_id}: policies are "
+                "pushed by the control plane only",
             )
+        query = parse_qs(request.query)
+        reset_values = query.get("reset", ["false"])
+        if len(reset_values) != 1 or reset_values[0] not in ("true", "false"):
+            return error_response(400, "InvalidRequest", "reset must be true or false")
         state.counters.policy_pushes_total += 1
         body = await request.read_body()
         try:
             doc = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             return error_response(400, "InvalidPolicy", f"the body is not JSON: {exc}")
-        outcome = state.apply_policy(doc)
+        outcome = state.apply_policy(doc, reset=reset_values[0] == "true")
         if outcome.status is ApplyStatus.INVALID:
             return error_response(400, "InvalidPolicy", outcome.message)
         if outcome.status is ApplyStatus.STALE:

@@ -186,7 +186,7 @@ class MemoryTier:
             handler = self._internal_route(request.method, parts[2:])
             if handler is None:
                 return None
-            auth = self.state.check_token(request.headers.get("authorization"))
+            auth = self.state.check_peer_token(request.headers.get("authorization"))
             if auth is not AuthStatus.OK:
                 status = 403 if auth is AuthStatus.WRONG else 401
                 return error_response(status, "Unauthorized", "agent-to-agent calls need the cluster token")
@@ -256,7 +256,7 @@ class MemoryTier:
         return {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
 
     async def _cp_call(self, method: str, suffix: str, body: Any = None) -> httpx.Response:
-        token = self.state.cluster_token
+        token = self.state.node_token  # this node's credential at the control plane
         try:
             return await self._cp.request(
                 method, suffix, token=token.get_secret_value() if token else None, json_body=body
