@@ -401,8 +401,9 @@ class AgentService:
         wake = False
         with self.db.write() as session:
             cluster, node = self._own_node(session, cluster_name, node_id, token)
-            # The agent holds its node token: the launch secret it registered with is spent.
-            node.launch_secret_hash = None
+            if node.launch_secret_hash is not None:
+                # The agent holds its node token: the launch secret it registered with is spent.
+                node.launch_secret_hash = None
             node.last_heartbeat = now
             if endpoint and endpoint != node.endpoint:
                 node.endpoint = endpoint
