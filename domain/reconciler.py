@@ -651,7 +651,8 @@ class Reconciler:
         if status == 409 and applied is not None and applied > generation and not reset:
             error = f"the agent answered that it has generation {applied}, newer than {generation}"
             return PushResult(push.node_id, generation, None, error, ahead=applied)
-        return PushResult(push.node_id, generation, None, error, 400 <= status < 500, reset=reset)
+        permanent = status == 200 or 400 <= status < 500  # a 200 off the contract too
+        return PushResult(push.node_id, generation, None, error, permanent, reset=reset)
 
     def _send(self, pushes: list[Push], *, reset: bool = False) -> list[PushResult]:
         assert self._pool is not None
