@@ -1,7 +1,7 @@
 """Who may call an agent route: one check for every route that needs a token.
 
-- ``PUT /v1/policy`` and ``/v1/internal/*`` (the control plane and the other agents of the
-  cluster): the cluster token, always.
+- ``PUT /v1/policy`` (the control plane): this node's control-plane token, always.
+- ``/v1/internal/*`` (the other agents of the cluster): the cluster token, always.
 - ``/v1/cp`` writes and deletes (everything but GET) and every ``/v1/fast`` route: the cluster's
   checkpoint token, when its checkpoint policy's ``AgentAccess`` is ``Token``; nothing when ``Open``.
 
@@ -28,9 +28,9 @@ def refusal(state: AgentState, request: Request, credential: Credential) -> Resp
         return error_response(401, "MissingToken", message, headers=_BEARER)
     if auth is AuthStatus.NOT_REGISTERED:
         message = (
-            "the agent is not registered yet: it does not know the cluster token to check"
-            if credential is Credential.CLUSTER
-            else "the agent's policy names no checkpoint token to check against"
+            "the agent's policy names no checkpoint token to check against"
+            if credential is Credential.CHECKPOINT
+            else f"the agent is not registered yet: it does not know the {credential.value} to check"
         )
         return error_response(401, "NotRegistered", message, headers=_BEARER)
     return error_response(403, "InvalidToken", f"the token is not the {credential.value} of {state.cluster}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from urllib.parse import parse_qs
 
 from agents.access import refusal
 from agents.httpserver import DropConnection, Request, Response, error_response, json_response
@@ -65,17 +66,24 @@ class AgentApp:
         return json_response(200, self._state.policy or {"generation": 0})
 
     async def put_policy(self, request: Request) -> Response:
+        """A policy push: only from the control plane, with this node's control-plane token.
+        ``?reset=true``: apply it even if it is older than the one in force (the control plane
+        re-syncs an agent that holds a generation it never issued)."""
         state = self._state
-        refused = refusal(state, request, Credential.CLUSTER)
+        refused = refusal(state, request, Credential.CONTROL_PLANE)
         if refused is not None:
             return refused
+        query = parse_qs(request.query)
+        reset_values = query.get("reset", ["false"])
+        if len(reset_values) != 1 or reset_values[0] not in ("true", "false"):
+            return error_response(400, "InvalidRequest", "reset must be true or false")
         state.counters.policy_pushes_total += 1
         body = await request.read_body()
         try:
             doc = json.loads(body)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             return error_response(400, "InvalidPolicy", f"the body is not JSON: {str(exc)[:200]}")
-        outcome = state.apply_policy(doc)
+        outcome = state.apply_policy(doc, reset=reset_values[0] == "true")
         if outcome.status is ApplyStatus.INVALID:
             return error_response(400, "InvalidPolicy", outcome.message)
         if outcome.status is ApplyStatus.STALE:

@@ -25,12 +25,14 @@ class AgentSettings(BaseSettings):
     control_plane: str = Field(description="Base URL of the control plane, e.g. http://127.0.0.1:8080.")
     cluster: str = Field(min_length=1, description="Name of the cluster this node belongs to.")
     token: SecretStr = Field(
-        description="The cluster token with --node-id; the cluster's bootstrap token without it."
+        description="With --node-id: the node's launch secret, which the local provisioner puts in "
+        "HPSIM_AGENT_TOKEN; without it: the cluster's bootstrap token (external provisioner)."
     )
     node_id: str | None = Field(
         default=None,
-        description="This node's id (the local provisioner passes it). Without it the control plane "
-        "binds the agent to a pending node slot and answers its id.",
+        description="This node's id (the local provisioner passes it, with the node's launch secret as "
+        "the token). Without it the control plane binds the agent to a pending node slot and answers "
+        "its id.",
     )
     host: str = Field(default="127.0.0.1", description="Address the agent API listens on.")
     port: int = Field(default=0, ge=0, le=65535, description="Port of the agent API; 0: any free port.")

@@ -80,7 +80,7 @@ class AgentLoop:
         self._state = state
         self._client = client
         self._identity = identity
-        self._token = token  # the cluster token with a node id, the bootstrap token without
+        self._token = token  # the node's launch secret with a node id, the bootstrap token without
         self._interval_s = heartbeat_interval_s
         self._adopt_interval = adopt_control_plane_interval
         self._backoff = backoff
@@ -136,9 +136,9 @@ class AgentLoop:
         """One heartbeat (and a pull when behind), then the wait before the next one."""
         state = self._state
         assert state.node_id is not None
-        assert state.cluster_token is not None
+        assert state.node_token is not None
         reply = await self._client.heartbeat(
-            token=state.cluster_token.get_secret_value(),
+            token=state.node_token.get_secret_value(),
             node_id=state.node_id,
             applied_generation=state.applied_generation,
             endpoint=self._identity.endpoint,
@@ -180,9 +180,9 @@ class AgentLoop:
         """Fetch the node's current policy and apply it; on failure, waits before returning False."""
         state = self._state
         assert state.node_id is not None
-        assert state.cluster_token is not None
+        assert state.node_token is not None
         reply = await self._client.fetch_policy(
-            token=state.cluster_token.get_secret_value(), node_id=state.node_id
+            token=state.node_token.get_secret_value(), node_id=state.node_id
         )
         if reply.ok:
             outcome = state.apply_policy(reply.body)
@@ -202,11 +202,12 @@ class AgentLoop:
             return f"the registration answer has no node_id (got {body.get('node_id')!r})"
         if state.node_id is not None and node_id != state.node_id:
             log.warning("registered as node %s, not %s: using the control plane's id", node_id, state.node_id)
-        raw_token = body.get("cluster_token")
-        if raw_token is None and state.node_id is not None:
-            raw_token = self._token.get_secret_value()  # started with the cluster token
-        if not isinstance(raw_token, str) or not raw_token:
-            return "the registration answer has no cluster_token"
+        tokens = {}
+        for member in ("cluster_token", "node_token", "control_plane_token"):
+            value = body.get(member)
+            if not isinstance(value, str) or not value:
+                return f"the registration answer has no {member}"
+            tokens[member] = SecretStr(value)
         interval = body.get("heartbeat_interval_s")
         if (
             self._adopt_interval
@@ -215,7 +216,7 @@ class AgentLoop:
             and interval > 0
         ):
             self._interval_s = float(interval)
-        state.mark_registered(node_id=node_id, cluster_token=SecretStr(raw_token))
+        state.mark_registered(node_id=node_id, **tokens)
         log.info("registered as node %s of cluster %s", node_id, state.cluster)
         policy = body.get("policy")
         if policy is not None:

@@ -77,13 +77,8 @@ def machine_memory_bytes() -> int:
 
 async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
     """Serve on ``sock`` (bound, not yet listening) until stopped; the exit code."""
-    local_mode = settings.node_id is not None
-    state = AgentState(
-        cluster=settings.cluster,
-        node_id=settings.node_id,
-        # With a node id the token is the cluster token; without, only registration tells it.
-        cluster_token=settings.token if local_mode else None,
-    )
+    # Its tokens come with the registration's answer; `settings.token` only registers.
+    state = AgentState(cluster=settings.cluster, node_id=settings.node_id)
     port: int = sock.getsockname()[1]
     shm_dir = settings.shm_dir or Path("/dev/shm/hpsim") / (settings.node_id or f"{settings.cluster}-{port}")
     partition = Partition(settings.data_dir)

@@ -22,7 +22,7 @@ PolicyListener = Callable[[PolicyDocument | None, PolicyDocument], None]
 
 
 class ApplyStatus(enum.Enum):
-    APPLIED = "applied"  # a newer generation: now in force
+    APPLIED = "applied"  # a newer generation (or any, with a reset): now in force
     UNCHANGED = "unchanged"  # the generation in force again: nothing done
     STALE = "stale"  # older than the generation in force: refused
     INVALID = "invalid"  # not a policy document: refused
@@ -42,8 +42,11 @@ class ApplyOutcome:
 class Credential(enum.Enum):
     """What a caller of an agent route must present in ``Authorization: Bearer <token>``."""
 
-    # The control plane's policy pushes and other agents (/v1/policy PUT, /v1/internal/*).
+    # The other agents of the cluster (/v1/internal/*).
     CLUSTER = "cluster token"
+    # The control plane this agent registered with, and only it: policy pushes (PUT /v1/policy).
+    # Not the cluster token, which every agent of the cluster holds.
+    CONTROL_PLANE = "control-plane token"
     # Trainers writing checkpoints while the cluster's AgentAccess is Token (/v1/cp writes, /v1/fast).
     CHECKPOINT = "checkpoint token"
 
@@ -54,8 +57,8 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 class AuthStatus(enum.Enum):
     OK = "ok"
     MISSING = "missing"  # no or malformed Authorization header: 401
-    NOT_REGISTERED = "not_registered"  # no token known to check against yet: 401
-    WRONG = "wrong"  # a token, not the cluster's: 403
+    NOT_REGISTERED = "not_registered"  # no token known yet (registration answers them): 401
+    WRONG = "wrong"  # a token, not the expected one: 403
 
 
 @dataclass
@@ -69,9 +72,16 @@ class Counters:
 
 @dataclass(kw_only=True)
 class AgentState:
+    """``cluster_token``: what agents of the cluster present to each other (``/v1/internal``).
+    ``node_token``: this node's credential at the control plane. ``control_plane_token``: what
+    the control plane presents to this agent alone (``PUT /v1/policy``). Registration answers all
+    three (docs/agent-protocol.md)."""
+
     cluster: str
     node_id: str | None = None
     cluster_token: SecretStr | None = None
+    node_token: SecretStr | None = None
+    control_plane_token: SecretStr | None = None
     registered: bool = False
     policy: PolicyDocument | None = None
     counters: Counters = field(default_factory=Counters)
@@ -92,9 +102,13 @@ class AgentState:
         tiered = self.policy.get("tiered_storage") or {}
         return bool(tiered.get("enabled", False))
 
-    def mark_registered(self, *, node_id: str, cluster_token: SecretStr) -> None:
+    def mark_registered(
+        self, *, node_id: str, cluster_token: SecretStr, node_token: SecretStr, control_plane_token: SecretStr
+    ) -> None:
         self.node_id = node_id
         self.cluster_token = cluster_token
+        self.node_token = node_token
+        self.control_plane_token = control_plane_token
         self.registered = True
 
     @property
@@ -116,26 +130,26 @@ class AgentState:
         if scheme.lower() != "bearer" or not token:
             return AuthStatus.MISSING
         if credential is Credential.CLUSTER:
-            if self.cluster_token is None:
-                return AuthStatus.NOT_REGISTERED
-            expected = self.cluster_token.get_secret_value().encode()
-            return AuthStatus.OK if hmac.compare_digest(token.encode(), expected) else AuthStatus.WRONG
+            return _check_bearer(authorization, self.cluster_token)
+        if credential is Credential.CONTROL_PLANE:
+            return _check_bearer(authorization, self.control_plane_token)
         digest = ((self.policy or {}).get("checkpoint_access") or {}).get("token_sha256")
         if not isinstance(digest, str):
             return AuthStatus.NOT_REGISTERED
         presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
         return AuthStatus.OK if hmac.compare_digest(presented, digest) else AuthStatus.WRONG
 
-    def apply_policy(self, doc: object) -> ApplyOutcome:
+    def apply_policy(self, doc: object, *, reset: bool = False) -> ApplyOutcome:
         """Apply a policy document: newer generations replace the one in force, the same generation
-        is a no-op, older ones are refused. Listeners (the checkpoint tiers) see every change."""
+        is a no-op, older ones are refused, unless ``reset`` (the control plane re-syncs an agent
+        that holds a generation it never issued). Listeners (the checkpoint tiers) see every change."""
         problem = self._validate(doc)
         if problem is not None:
             return ApplyOutcome(ApplyStatus.INVALID, self.applied_generation, problem)
         assert isinstance(doc, dict)
         generation: int = doc["generation"]
         current = self.applied_generation
-        if generation < current:
+        if generation < current and not reset:
             return ApplyOutcome(
                 ApplyStatus.STALE,
                 current,
@@ -179,6 +193,18 @@ class AgentState:
             if theirs is not None and mine is not None and theirs != mine:
                 return f"the policy is for {key} {theirs!r}, this agent's {key} is {mine!r}"
         return None
+
+
+def _check_bearer(authorization: str | None, expected: SecretStr | None) -> AuthStatus:
+    """Check an ``Authorization: Bearer <token>`` header against ``expected``, in constant time."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return AuthStatus.MISSING
+    if expected is None:
+        return AuthStatus.NOT_REGISTERED
+    matches = hmac.compare_digest(token.encode(), expected.get_secret_value().encode())
+    return AuthStatus.OK if matches else AuthStatus.WRONG
 
 
 def _json_type(value: object) -> str:

@@ -302,7 +302,7 @@ class MemoryTier:
         return {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
 
     async def _cp_call(self, method: str, suffix: str, body: Any = None) -> httpx.Response:
-        token = self.state.cluster_token
+        token = self.state.node_token  # this node's credential at the control plane
         try:
             return await self._cp.request(
                 method, suffix, token=token.get_secret_value() if token else None, json_body=body

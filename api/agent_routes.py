@@ -42,7 +42,11 @@ class Heartbeat(BaseModel):
 
 
 class AgentEvent(BaseModel):
-    node_id: str = Field(description="The reporting node; a ShuttingDown node is accepted.")
+    node_id: str | None = Field(
+        default=None,
+        description="The reporting node, which must be the node whose token the call carries (the "
+        "event is that node's in any case); a ShuttingDown node is accepted.",
+    )
     level: Literal["Info", "Warn", "Error"]
     message: str = Field(min_length=1, max_length=2048, description="The event's description.")
 
@@ -71,9 +75,11 @@ async def _call(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> JSONRespons
 @router.post(
     "/clusters/{cluster}/register",
     summary="Register a node agent",
-    description="With the cluster token and a node id (local provisioner), or with the bootstrap "
-    "token and no node id (external provisioner: the agent is bound to a pending node slot). "
-    "Answers the node id, the cluster token and the node's policy.",
+    description="With the node's launch secret and its node id (an agent the local provisioner "
+    "started), or with the bootstrap token and no node id (external provisioner: the agent is bound "
+    "to a pending node slot no agent holds). The endpoint must be http://HOST:PORT (a loopback "
+    "host with the local provisioner). Answers the node id, the node's new node token and "
+    "control-plane token, the cluster token (for calls between agents) and the node's policy.",
 )
 async def register(cluster: str, body: Registration, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(
@@ -89,8 +95,9 @@ async def register(cluster: str, body: Registration, request: Request, services:
 @router.post(
     "/clusters/{cluster}/nodes/{node_id}/heartbeat",
     summary="Agent heartbeat",
-    description="Records liveness, the generation the agent applied and its S3 tier's status; "
-    "answers the desired generation. 404 once the node is deleted (ShuttingDown included).",
+    description="With the node's own node token. Records liveness, the generation the agent applied "
+    "and its S3 tier's status; answers the desired generation. 404 once the node is deleted "
+    "(ShuttingDown included).",
 )
 async def heartbeat(
     cluster: str, node_id: str, body: Heartbeat, request: Request, services: ServicesDep
@@ -111,8 +118,8 @@ async def heartbeat(
     "/clusters/{cluster}/events",
     summary="Record an event of a node",
     description="What an agent reports for ListClusterEvents, e.g. the checkpoint steps it could not "
-    "persist to S3 while draining. Accepted while the cluster is Deleting and the node ShuttingDown. "
-    'Answers 201 {"event_id": ...}.',
+    "persist to S3 while draining: an event of the node whose node token the call carries. Accepted "
+    'while the cluster is Deleting and the node ShuttingDown. Answers 201 {"event_id": ...}.',
     status_code=201,
 )
 async def record_event(
@@ -134,7 +141,8 @@ async def record_event(
 @router.get(
     "/clusters/{cluster}/nodes/{node_id}/policy",
     summary="The node's current policy",
-    description="What an agent pulls when its heartbeat says its generation is behind.",
+    description="What an agent pulls when its heartbeat says its generation is behind; with the "
+    "node's own node token.",
 )
 async def policy(cluster: str, node_id: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(services.agents.policy, cluster_name=cluster, node_id=node_id, token=bearer(request))

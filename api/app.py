@@ -95,6 +95,7 @@ def build_services(
             heartbeat_interval_s=provisioning.heartbeat_interval_s,
             memory_scale=settings.simulation.memory_scale,
             s3_endpoint=s3_endpoint,
+            local_agents=provisioner.owns_agents,
         ),
         on_change=reconciler.wake,
     )

@@ -1,22 +1,28 @@
 """The control plane's side of the agent protocol: registration, heartbeats, policy pulls, events.
 
-See docs/agent-protocol.md. Tokens are compared in constant time; a missing token is 401, a wrong
-one 403.
+See docs/agent-protocol.md. Who may register which node: an agent the local provisioner started,
+with its node's launch secret; with the external provisioner, any agent with the bootstrap token,
+bound to a pending node slot nobody else holds. Every other call carries the node token that
+registration answered (domain/credentials.py): it authenticates that one node, so an agent cannot
+heartbeat, pull or report events for another node. A missing token is 401, a wrong one 403.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, selectinload
 
-from domain import events
+from domain import credentials, events
 from domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
 from domain.clock import Clock, Ids
 from domain.errors import AgentProtocolError
@@ -83,18 +89,89 @@ def check_s3_status(status: object) -> dict[str, Any] | None:
     return {member: status[member] for member in known if member in status}
 
 
+MAX_ENDPOINT = 256  # the column's size
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$"
+)
+
+
+def _invalid_endpoint(endpoint: str, why: str) -> AgentProtocolError:
+    shown = endpoint if len(endpoint) <= 100 else endpoint[:100] + "..."
+    return AgentProtocolError(400, "InvalidEndpoint", f"endpoint {shown!r} is not valid: {why}.")
+
+
+def check_endpoint(endpoint: str, *, loopback_only: bool) -> str:
+    """The endpoint an agent registered (or heartbeated) with, checked: ``http://HOST:PORT`` with
+    a port 1..65535 and nothing after it. With ``loopback_only`` (local provisioner: its agents run
+    on this machine) HOST is a loopback address or ``localhost``; otherwise a host name or an IP
+    address that is not unspecified (0.0.0.0, ::), multicast or link-local (169.254.0.0/16, where
+    cloud metadata services answer). The control plane connects to it for every policy push."""
+    if len(endpoint) > MAX_ENDPOINT:
+        raise _invalid_endpoint(
+            endpoint, f"it is {len(endpoint)} characters long, at most {MAX_ENDPOINT} are allowed"
+        )
+    try:
+        url = urlsplit(endpoint)
+        port = url.port
+    except ValueError as exc:
+        raise _invalid_endpoint(endpoint, f"{exc}; the port must be 1 to 65535") from None
+    if url.scheme != "http":
+        raise _invalid_endpoint(endpoint, "the scheme must be http")
+    if url.username is not None or url.password is not None:
+        raise _invalid_endpoint(endpoint, "it must not carry credentials")
+    if url.path not in ("", "/") or url.query or url.fragment:
+        raise _invalid_endpoint(endpoint, "it must be http://HOST:PORT, without a path, query or fragment")
+    host = (url.hostname or "").lower()
+    if not host:
+        raise _invalid_endpoint(endpoint, "it has no host")
+    if port is None or not 1 <= port <= 65535:
+        raise _invalid_endpoint(endpoint, "the port must be given, 1 to 65535")
+    try:
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if loopback_only:
+        if host != "localhost" and (address is None or not address.is_loopback):
+            raise _invalid_endpoint(
+                endpoint,
+                "agents of the local provisioner listen on this machine: the host must be a "
+                "loopback address (127.0.0.0/8, ::1) or localhost",
+            )
+    elif address is not None:
+        if address.is_unspecified or address.is_multicast or address.is_link_local:
+            raise _invalid_endpoint(
+                endpoint, "the host must not be an unspecified, multicast or link-local address"
+            )
+    elif not _HOSTNAME.match(host):
+        raise _invalid_endpoint(endpoint, "the host is neither an IP address nor a valid host name")
+    return endpoint.rstrip("/")
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     heartbeat_interval_s: float
     memory_scale: float
     s3_endpoint: S3Endpoint
+    # The control plane starts every node's agent itself (local provisioner): those register with
+    # their launch secret only, the bootstrap token registers nothing, endpoints are loopback.
+    local_agents: bool = False
 
 
 def check_token(presented: str | None, expected: str) -> None:
     if not presented:
-        raise AgentProtocolError(401, "MissingToken", "Authorization: Bearer <cluster token> is required.")
+        raise AgentProtocolError(401, "MissingToken", "Authorization: Bearer <bootstrap token> is required.")
     if not hmac.compare_digest(presented.encode(), expected.encode()):
-        raise AgentProtocolError(403, "InvalidToken", "The token is not valid for this cluster.")
+        raise AgentProtocolError(403, "InvalidToken", "The token is not the bootstrap token of this cluster.")
+
+
+def _missing_token(what: str) -> AgentProtocolError:
+    return AgentProtocolError(401, "MissingToken", f"Authorization: Bearer <{what}> is required.")
+
+
+def _not_a_node_token(cluster_name: str) -> AgentProtocolError:
+    return AgentProtocolError(
+        403, "InvalidToken", f"The token is not the node token of a node of cluster '{cluster_name}'."
+    )
 
 
 class AgentService:
@@ -138,28 +215,66 @@ class AgentService:
             404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster.name}'."
         )
 
-    def _cluster_and_node(
-        self, session: Session, cluster_name: str, node_id: str, token: str | None
-    ) -> tuple[Cluster, Node]:
-        """One node's row and its cluster's (ShuttingDown nodes included), the token checked.
+    def _cluster_exists(self, session: Session, name: str) -> None:
+        if session.scalar(select(Cluster.id).where(Cluster.name == name)) is None:
+            raise AgentProtocolError(404, "ClusterNotFound", f"Cluster '{name}' does not exist.")
 
-        Not the cluster's whole node set: every node heartbeats every second, so this must not
-        grow with the cluster.
-        """
+    @staticmethod
+    def _token_row(session: Session, cluster_name: str, token: str) -> tuple[Cluster, Node] | None:
+        """The cluster and the node whose node token this is (one row, not the cluster's node set:
+        every node calls every second, so this must not grow with the cluster)."""
         row = session.execute(
             select(Cluster, Node)
             .join(Node, Node.cluster_id == Cluster.id)
-            .where(Cluster.name == cluster_name, Node.id == node_id)
+            .where(Cluster.name == cluster_name, Node.token_hash == credentials.digest(token))
         ).one_or_none()
+        return None if row is None else (row[0], row[1])
+
+    def _authenticate(self, session: Session, cluster_name: str, token: str | None) -> tuple[Cluster, Node]:
+        """The cluster and the node whose node token is presented (ShuttingDown nodes included:
+        a draining agent still calls)."""
+        if not token:
+            self._cluster_exists(session, cluster_name)
+            raise _missing_token("node token")
+        row = self._token_row(session, cluster_name, token)
         if row is None:
-            cluster = self._cluster(session, cluster_name)  # 404 for the cluster, if that is it
-            check_token(token, cluster.token)
-            raise AgentProtocolError(
-                404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster_name}'."
-            )
-        cluster, node = row
-        check_token(token, cluster.token)
-        return cluster, node
+            self._cluster_exists(session, cluster_name)
+            raise _not_a_node_token(cluster_name)
+        return row
+
+    def _own_node(
+        self, session: Session, cluster_name: str, node_id: str, token: str | None
+    ) -> tuple[Cluster, Node]:
+        """The live node ``node_id`` of a node-scoped call (heartbeat, policy pull), authenticated
+        by its own node token. A node that is gone or ShuttingDown answers 404 whatever the token:
+        that is how the agent of a deleted or replaced node (its token revoked) learns to stop."""
+        if not token:
+            self._cluster_exists(session, cluster_name)
+            raise _missing_token("node token")
+        row = self._token_row(session, cluster_name, token)
+        if row is not None and row[1].id == node_id and row[1].status != NodeStatus.SHUTTING_DOWN:
+            return row
+        status = session.execute(
+            select(Node.status)
+            .join(Cluster, Node.cluster_id == Cluster.id)
+            .where(Cluster.name == cluster_name, Node.id == node_id)
+        ).scalar_one_or_none()
+        if status is None or status == NodeStatus.SHUTTING_DOWN:
+            self._cluster_exists(session, cluster_name)
+            raise self._node_gone(cluster_name, node_id)
+        if row is None:
+            raise _not_a_node_token(cluster_name)
+        raise AgentProtocolError(
+            403,
+            "WrongNode",
+            f"The token is the node token of node {row[1].id}; it cannot act for node {node_id}.",
+        )
+
+    @staticmethod
+    def _node_gone(cluster_name: str, node_id: str) -> AgentProtocolError:
+        return AgentProtocolError(
+            404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster_name}'."
+        )
 
     def policy_for(self, cluster: Cluster, node: Node) -> dict[str, Any]:
         members = [n for n in cluster.nodes if n.status in LIVE]
@@ -182,16 +297,52 @@ class AgentService:
         endpoint: str,
         pid: int | None,
     ) -> dict[str, Any]:
+        """Bind an agent to a node and answer its credentials and policy.
+
+        With ``node_id``: the agent the local provisioner launched for that node, which presents
+        the node's launch secret; nothing else can register a launched node. Without: an agent of
+        the external provisioner, with the bootstrap token, bound to the oldest pending node slot
+        that no agent holds. Either way the node gets a new node token and control-plane token (the
+        ones of an earlier agent of the node stop working)."""
+        endpoint = check_endpoint(endpoint, loopback_only=self.config.local_agents)
         now = self.clock.now()
         with self.db.write() as session:
             cluster = self._cluster(session, cluster_name, lock=True)
             if node_id is not None:
-                check_token(token, cluster.token)
+                if not token:
+                    raise _missing_token("the node's launch secret")
                 node = self._node(cluster, node_id)
+                if not credentials.matches(token, node.launch_secret_hash):
+                    why = (
+                        "which this is not"
+                        if node.launch_secret_hash is not None
+                        else "and none is outstanding (it was used, or no agent was launched for it)"
+                    )
+                    raise AgentProtocolError(
+                        403,
+                        "InvalidNodeSecret",
+                        f"Node {node_id} registers only with the launch secret the control plane "
+                        f"handed to the agent it started for it, {why}.",
+                    )
             else:
                 check_token(token, cluster.bootstrap_token)
+                if self.config.local_agents:
+                    raise AgentProtocolError(
+                        403,
+                        "BootstrapNotAccepted",
+                        "This control plane starts the agent of every node itself (local provisioner); "
+                        "each registers with its own launch secret. The bootstrap token registers agents "
+                        "only with HPSIM_PROVISIONING__MODE=external.",
+                    )
                 slots = sorted(
-                    (n for n in cluster.nodes if n.status == NodeStatus.PENDING and n.endpoint is None),
+                    (
+                        n
+                        for n in cluster.nodes
+                        if n.status == NodeStatus.PENDING
+                        and n.endpoint is None
+                        and n.token_hash is None
+                        and n.launch_secret_hash is None
+                    ),
                     key=lambda n: (n.launch_time, n.id),
                 )
                 if not slots:
@@ -200,6 +351,7 @@ class AgentService:
                     )
                 node = slots[0]
             rebinding = node.endpoint is not None and node.endpoint != endpoint
+            node_token, control_plane_token = credentials.issue_tokens(node)
             node.endpoint = endpoint
             node.pid = pid
             node.registered_at = now
@@ -220,6 +372,8 @@ class AgentService:
             )
             answer = {
                 "node_id": node.id,
+                "node_token": node_token,
+                "control_plane_token": control_plane_token,
                 "cluster_token": cluster.token,
                 "heartbeat_interval_s": self.config.heartbeat_interval_s,
                 "policy": self.policy_for(cluster, node),
@@ -241,14 +395,15 @@ class AgentService:
         """Record liveness, the applied generation and the S3 tier's status (``s3_status``: the
         heartbeat's ``s3`` member; absent or null clears what the last heartbeat reported)."""
         stored_s3 = check_s3_status(s3_status)
+        if endpoint:
+            endpoint = check_endpoint(endpoint, loopback_only=self.config.local_agents)
         now = self.clock.now()
         wake = False
         with self.db.write() as session:
-            cluster, node = self._cluster_and_node(session, cluster_name, node_id, token)
-            if node.status == NodeStatus.SHUTTING_DOWN:
-                raise AgentProtocolError(
-                    404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster_name}'."
-                )
+            cluster, node = self._own_node(session, cluster_name, node_id, token)
+            if node.launch_secret_hash is not None:
+                # The agent holds its node token: the launch secret it registered with is spent.
+                node.launch_secret_hash = None
             node.last_heartbeat = now
             if endpoint and endpoint != node.endpoint:
                 node.endpoint = endpoint
@@ -258,6 +413,12 @@ class AgentService:
                 node.s3_status = stored_s3
             if node.acked_generation < applied_generation <= cluster.generation:
                 node.acked_generation = applied_generation
+                wake = True
+            elif applied_generation > cluster.generation and node.acked_generation != 0:
+                # Ahead of every generation this control plane issued: a policy it did not send.
+                # Not acknowledged: the reconciler pushes its own generation with a reset and
+                # records an event (domain/reconciler.py).
+                node.acked_generation = 0
                 wake = True
             if node.status == NodeStatus.FAILURE and node.endpoint is not None:
                 node.status = NodeStatus.PENDING
@@ -277,9 +438,10 @@ class AgentService:
         return {"desired_generation": desired}
 
     def record_event(
-        self, *, cluster_name: str, node_id: str, token: str | None, level: str, message: str
+        self, *, cluster_name: str, node_id: str | None, token: str | None, level: str, message: str
     ) -> dict[str, Any]:
-        """An event reported by a node's agent, e.g. the steps it could not persist to S3.
+        """An event reported by a node's agent, e.g. the steps it could not persist to S3: about the
+        node whose token it presents (``node_id``, when given, must be that node).
 
         Accepted from a ShuttingDown node of a Deleting cluster too: that is when an agent drains
         its checkpoints to S3 and has the most to report. The node's row stays until its agent has
@@ -299,7 +461,14 @@ class AgentService:
                 f"message must have 1 to {MAX_EVENT_MESSAGE} characters, got {len(message)}.",
             )
         with self.db.write() as session:
-            cluster, node = self._cluster_and_node(session, cluster_name, node_id, token)
+            cluster, node = self._authenticate(session, cluster_name, token)
+            if node_id is not None and node_id != node.id:
+                raise AgentProtocolError(
+                    403,
+                    "WrongNode",
+                    f"The token is the node token of node {node.id}; "
+                    f"it cannot report events of node {node_id}.",
+                )
             event = events.record(
                 session,
                 ids=self.ids,
@@ -313,14 +482,20 @@ class AgentService:
 
     def policy(self, *, cluster_name: str, node_id: str, token: str | None) -> dict[str, Any]:
         with self.db.read() as session:
+            self._own_node(session, cluster_name, node_id, token)
             cluster = self._cluster(session, cluster_name)
-            check_token(token, cluster.token)
             return self.policy_for(cluster, self._node(cluster, node_id))
+
+    def _cluster_for(
+        self, session: Session, cluster_name: str, token: str | None, *, lock: bool = False
+    ) -> Cluster:
+        """The cluster of a cluster-wide call (members, namespaces), by any node token of it."""
+        self._authenticate(session, cluster_name, token)
+        return self._cluster(session, cluster_name, lock=lock)
 
     def members(self, *, cluster_name: str, token: str | None) -> dict[str, Any]:
         with self.db.read() as session:
-            cluster = self._cluster(session, cluster_name)
-            check_token(token, cluster.token)
+            cluster = self._cluster_for(session, cluster_name, token)
             # Shutting-down nodes too: their agents are draining to S3 and still answer their
             # peers (a persist asks every agent for the ranks it holds) until they exit.
             live = [
@@ -359,8 +534,7 @@ class AgentService:
 
     def get_namespace(self, *, cluster_name: str, token: str | None, name: str) -> dict[str, Any]:
         with self.db.read() as session:
-            cluster = self._cluster(session, cluster_name)
-            check_token(token, cluster.token)
+            cluster = self._cluster_for(session, cluster_name, token)
             namespace = self._find_namespace(session, cluster, name)
             if namespace is None:
                 raise AgentProtocolError(404, "NamespaceNotFound", f"Namespace '{name}' does not exist.")
@@ -379,8 +553,7 @@ class AgentService:
                 400, "InvalidNamespace", f"steps_retained must be at least 1, got {steps_retained}."
             )
         with self.db.write() as session:
-            cluster = self._cluster(session, cluster_name, lock=True)
-            check_token(token, cluster.token)
+            cluster = self._cluster_for(session, cluster_name, token, lock=True)
             if self._find_namespace(session, cluster, name) is not None:
                 raise AgentProtocolError(409, "NamespaceExists", f"Namespace '{name}' already exists.")
             namespace = CheckpointNamespace(
@@ -399,8 +572,7 @@ class AgentService:
 
     def delete_namespace(self, *, cluster_name: str, token: str | None, name: str) -> dict[str, Any]:
         with self.db.write() as session:
-            cluster = self._cluster(session, cluster_name)
-            check_token(token, cluster.token)
+            cluster = self._cluster_for(session, cluster_name, token)
             namespace = self._find_namespace(session, cluster, name)
             if namespace is None:
                 raise AgentProtocolError(404, "NamespaceNotFound", f"Namespace '{name}' does not exist.")
@@ -409,8 +581,7 @@ class AgentService:
 
     def list_namespaces(self, *, cluster_name: str, token: str | None) -> dict[str, Any]:
         with self.db.read() as session:
-            cluster = self._cluster(session, cluster_name)
-            check_token(token, cluster.token)
+            cluster = self._cluster_for(session, cluster_name, token)
             found = session.scalars(
                 select(CheckpointNamespace)
                 .where(CheckpointNamespace.cluster_id == cluster.id)
@@ -420,8 +591,7 @@ class AgentService:
 
     def reset_namespaces(self, *, cluster_name: str, token: str | None) -> dict[str, Any]:
         with self.db.write() as session:
-            cluster = self._cluster(session, cluster_name)
-            check_token(token, cluster.token)
+            cluster = self._cluster_for(session, cluster_name, token)
             result = session.execute(
                 delete(CheckpointNamespace).where(CheckpointNamespace.cluster_id == cluster.id)
             )

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Protocol
 
 from agents import partition
+from domain import credentials
 from models import Cluster, Node
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,10 @@ class Provisioner(Protocol):
     uses_agents: bool
 
     def launch(self, cluster: Cluster, node: Node) -> None:
-        """Start the node's agent. Called after the node's row is committed; may raise OSError."""
+        """Start the node's agent. Called after the node's row is committed, in a transaction that
+        holds the cluster row (the agent's registration waits for it): a provisioner that starts
+        the process binds the node to a launch secret (domain/credentials.py) and hands it to that
+        process only. May raise OSError."""
 
     def terminate(self, node: Node) -> None:
         """Stop the node's agent, if this provisioner owns it. Called on every reconcile pass while
@@ -273,8 +277,11 @@ class LocalProvisioner:
             *("--shm-dir", str(self.shm_dir(node.id))),
             *("--heartbeat-interval", str(self.heartbeat_interval_s)),
         ]
-        # The token travels in the environment, not on the command line that `ps` shows.
-        env = {**os.environ, **self.agent_env, "HPSIM_AGENT_TOKEN": cluster.token}
+        # A new launch secret for this process only (the node registers with it, once; an earlier
+        # process's stops working). It travels in the environment, not on the command line that
+        # `ps` shows to every user; the database keeps only its digest.
+        secret = credentials.bind_launch_secret(node)
+        env = {**os.environ, **self.agent_env, "HPSIM_AGENT_TOKEN": secret}
         with open(agent_dir / "agent.log", "ab") as logfile:
             # A session of its own: the SIGINT of a Ctrl+C in the control plane's terminal goes to
             # the control plane's process group only; its shutdown stops the agents (stop_agents).

@@ -18,7 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,7 +28,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
 from agents.partition import CONTROL_PLANE_AGENT
-from domain import events, faults
+from domain import credentials, events, faults
 from domain.checkpoint_policy import S3Endpoint
 from domain.clock import Clock, Ids
 from domain.events import Level
@@ -70,7 +70,7 @@ class Push:
 
     node_id: str
     endpoint: str
-    token: str
+    token: str  # the node's control-plane token: only this control plane and that agent know it
     policy: dict[str, Any]
 
 
@@ -81,6 +81,11 @@ class PushResult:
     applied: int | None  # the generation the agent reports, or None on failure
     error: str | None = None
     permanent: bool = False
+    # The generation an agent that answered "stale" (409) says it has: never an acknowledgement.
+    # Ahead of every generation this control plane issued, it is a policy it did not get from
+    # here, and the node is pushed again with a reset.
+    ahead: int | None = None
+    reset: bool = False  # the answer to a push with a reset
 
 
 @dataclass
@@ -205,7 +210,14 @@ class Reconciler:
         due: datetime | None = None
         for cluster_id in self.pending_cluster_ids():
             for _ in range(100):  # a pass per status step; bounded in case of a bug
-                outcome = self.reconcile(cluster_id)
+                try:
+                    outcome = self.reconcile(cluster_id)
+                except OperationalError:
+                    raise  # the database is down: the whole pass is retried on the next tick
+                except Exception:
+                    # One cluster's failure (a bug, a node's bad data) must not stop the others.
+                    log.exception("reconcile of cluster %s failed; going on with the others", cluster_id)
+                    break
                 if outcome.due is not None:
                     due = outcome.due if due is None else min(due, outcome.due)
                 if not (outcome.changed and outcome.again):
@@ -228,7 +240,10 @@ class Reconciler:
             self._launch_agents(cluster_id, outcome.launches)
             outcome.again = outcome.changed = True
         if outcome.pushes:
-            self._record_pushes(cluster_id, self._send(outcome.pushes))
+            resets = self._record_pushes(cluster_id, self._send(outcome.pushes))
+            if resets:
+                again = [push for push in outcome.pushes if push.node_id in resets]
+                self._record_pushes(cluster_id, self._send(again, reset=True))
             outcome.again = outcome.changed = True
         return outcome
 
@@ -432,6 +447,8 @@ class Reconciler:
             if node.status == NodeStatus.FAILURE and cluster.node_recovery == "Automatic":
                 group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
                 node.status = NodeStatus.SHUTTING_DOWN
+                # Its credentials die with it: the replacement registers with a secret of its own.
+                credentials.revoke(node)
                 if group is not None and group.status != GroupStatus.DELETING:
                     replacement = self._new_node(session, cluster, group, now, outcome, slot=node.slot)
                     events.record(
@@ -618,7 +635,8 @@ class Reconciler:
     def _launch_agents(self, cluster_id: str, node_ids: list[str]) -> None:
         """Start agents for committed nodes; a node whose agent cannot start fails."""
         with self.db.write() as session:
-            cluster = session.get(Cluster, cluster_id)
+            # Locked: an agent's registration (which locks it too) waits for its launch secret.
+            cluster = session.get(Cluster, cluster_id, with_for_update=True)
             if cluster is None:
                 return
             now = self.clock.now()
@@ -635,6 +653,7 @@ class Reconciler:
             if (
                 node.status not in (NodeStatus.PENDING, NodeStatus.RUNNING)
                 or node.endpoint is None
+                or node.push_token is None  # no agent registered with this control plane's tokens
                 or node.acked_generation >= cluster.generation
             ):
                 continue
@@ -652,13 +671,12 @@ class Reconciler:
                 memory_scale=self.config.memory_scale,
                 s3_endpoint=self.config.s3_endpoint,
             )
-            outcome.pushes.append(Push(node.id, node.endpoint, cluster.token, policy))
+            outcome.pushes.append(Push(node.id, node.endpoint, node.push_token, policy))
 
-    def _push_one(self, push: Push) -> PushResult:
+    def _put_policy(self, push: Push, *, reset: bool) -> tuple[int, str]:
         """One PUT /v1/policy over a plain http.client connection: at 64 nodes a rollout is mostly
         pushes, and a pooled httpx client cost several times the CPU per request
-        (bench/policy_rollout.py)."""
-        generation = int(push.policy["generation"])
+        (bench/policy_rollout.py). The answer's status and text; transport errors are raised."""
         url = urlsplit(push.endpoint)
         connection = http.client.HTTPConnection(
             url.hostname or "127.0.0.1", url.port or 80, timeout=self.config.push_timeout_s
@@ -666,7 +684,7 @@ class Reconciler:
         try:
             connection.request(
                 "PUT",
-                "/v1/policy",
+                "/v1/policy?reset=true" if reset else "/v1/policy",
                 body=json.dumps(push.policy).encode(),
                 headers={
                     "Authorization": f"Bearer {push.token}",
@@ -675,26 +693,40 @@ class Reconciler:
                 },
             )
             response = connection.getresponse()
-            status, text = response.status, response.read().decode(errors="replace")
-        except (OSError, http.client.HTTPException) as exc:
-            return PushResult(push.node_id, generation, None, f"{type(exc).__name__}: {exc}")
+            return response.status, response.read().decode(errors="replace")
         finally:
             connection.close()
-        if status in (200, 409):  # 409: the agent already has a newer one
-            try:
-                return PushResult(push.node_id, generation, int(json.loads(text)["applied_generation"]))
-            except (ValueError, KeyError, TypeError):
-                return PushResult(push.node_id, generation, None, f"HTTP {status}: {text[:200]}", True)
-        permanent = 400 <= status < 500
-        return PushResult(push.node_id, generation, None, f"HTTP {status}: {text[:200]}", permanent)
 
-    def _send(self, pushes: list[Push]) -> list[PushResult]:
+    def _push_one(self, push: Push, *, reset: bool = False) -> PushResult:
+        """Push a node's policy; with ``reset``, one the agent takes even though it is older than
+        the one it has (the control plane's token is the authority). Never raises: whatever goes
+        wrong (a connect error, an endpoint it cannot even parse) is this node's error only."""
+        generation = int(push.policy["generation"])
+        try:
+            status, text = self._put_policy(push, reset=reset)
+        except Exception as exc:
+            return PushResult(push.node_id, generation, None, f"{type(exc).__name__}: {exc}", reset=reset)
+        applied = _applied_generation(text)
+        if status == 200 and applied is not None:
+            return PushResult(push.node_id, generation, applied, reset=reset)
+        error = f"HTTP {status}: {text[:200]}"
+        if status == 409 and applied is not None and applied > generation and not reset:
+            error = f"the agent answered that it has generation {applied}, newer than {generation}"
+            return PushResult(push.node_id, generation, None, error, ahead=applied)
+        permanent = status == 200 or 400 <= status < 500  # a 200 off the contract too
+        return PushResult(push.node_id, generation, None, error, permanent, reset=reset)
+
+    def _send(self, pushes: list[Push], *, reset: bool = False) -> list[PushResult]:
         assert self._pool is not None
-        return list(self._pool.map(self._push_one, pushes))
+        return list(self._pool.map(lambda push: self._push_one(push, reset=reset), pushes))
 
-    def _record_pushes(self, cluster_id: str, results: list[PushResult]) -> None:
+    def _record_pushes(self, cluster_id: str, results: list[PushResult]) -> set[str]:
+        """Record what the agents answered; the nodes to push again with a reset (their agents are
+        ahead of every generation this control plane issued)."""
         now = self.clock.now()
+        resets: set[str] = set()
         with self.db.write() as session:
+            cluster = session.get(Cluster, cluster_id)
             nodes = {
                 n.id: n
                 for n in session.scalars(select(Node).where(Node.id.in_([r.node_id for r in results])))
@@ -704,6 +736,26 @@ class Reconciler:
                 if node is None:
                     continue
                 node.push_claimed_until = None
+                if result.ahead is not None and cluster is not None:
+                    if result.ahead <= cluster.generation:
+                        # A newer generation of ours (another control plane pushed it first).
+                        result = replace(result, applied=result.generation)
+                    else:
+                        events.record(
+                            session,
+                            ids=self.ids,
+                            now=now,
+                            cluster=cluster,
+                            node=node,
+                            level=Level.WARN,
+                            description=f"The agent of node {node.id} reported policy generation "
+                            f"{result.ahead}, ahead of this control plane's {cluster.generation}: a "
+                            "policy it did not get from the control plane. Re-syncing it to generation "
+                            f"{result.generation}.",
+                        )
+                        node.push_claimed_until = now + timedelta(seconds=self.config.push_timeout_s * 2)
+                        resets.add(node.id)
+                        continue
                 if result.applied is not None:
                     node.acked_generation = max(node.acked_generation, min(result.applied, result.generation))
                     node.push_attempts = 0
@@ -721,6 +773,7 @@ class Reconciler:
                 node.next_push_at = now + timedelta(seconds=delay)
                 node.last_error = f"policy push of generation {result.generation} failed: {result.error}"
                 log.info("push to %s failed (attempt %d): %s", node.id, node.push_attempts, result.error)
+        return resets
 
 
 def _agents_of(count: int) -> str:
@@ -745,3 +798,12 @@ def _stopping(counts: Counter[str]) -> str:
         "persisting its newest complete step to S3; their shared memory is kept and they start "
         "again with the control plane."
     )
+
+
+def _applied_generation(text: str) -> int | None:
+    """``applied_generation`` of an agent's answer, or None if it has none."""
+    try:
+        value = json.loads(text)["applied_generation"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -172,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--control-plane", help="control plane URL, e.g. http://127.0.0.1:8080")
     agent.add_argument("--cluster", help="cluster name")
-    agent.add_argument("--token", help="cluster token with --node-id, bootstrap token without")
+    agent.add_argument(
+        "--token",
+        help="the node's launch secret with --node-id, the bootstrap token without "
+        "(better in HPSIM_AGENT_TOKEN: a flag shows in ps)",
+    )
     agent.add_argument("--node-id", help="this node's id (without it, the control plane assigns one)")
     agent.add_argument("--host", help="address the agent API listens on (default 127.0.0.1)")
     agent.add_argument("--port", type=int, help="port of the agent API (default 0: any free port)")

@@ -25,8 +25,10 @@ class DatabaseSettings(BaseModel):
 class ProvisioningSettings(BaseModel):
     mode: Literal["local", "external", "simulated"] = Field(
         default="local",
-        description="local: the control plane starts one agent process per node on this machine. "
-        "external: agents started elsewhere register with the cluster's bootstrap token. "
+        description="local: the control plane starts one agent process per node on this machine, "
+        "each with a one-time launch secret (only it can register its node; endpoints on loopback). "
+        "external: agents started elsewhere register with the cluster's bootstrap token, each bound "
+        "to a pending node no agent holds. "
         "simulated: no agents; nodes are Running after node_ready_delay_s (API-only use).",
     )
     node_ready_delay_s: float = Field(

@@ -128,6 +128,12 @@ class Node(Base):
     # the registration deadline of a restarted agent; persisted so a restarted control plane keeps them.
     agent_restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     agent_restarted_at: Mapped[datetime | None]
+    # Credentials of the node's agent (domain/credentials.py): the digest of the launch secret the
+    # local provisioner handed to the agent process it started (None: not bound, or consumed), the
+    # digest of the node token registration answered, and the token the control plane pushes with.
+    launch_secret_hash: Mapped[str | None] = mapped_column(String(64))
+    token_hash: Mapped[str | None] = mapped_column(String(64), index=True)
+    push_token: Mapped[str | None] = mapped_column(String(64))
 
     cluster: Mapped[Cluster] = relationship(back_populates="nodes")
 

@@ -382,3 +382,28 @@ def agent_plane(
     finally:
         kill_processes_under(tmp_path)
         shutil.rmtree(shm_root, ignore_errors=True)
+
+
+def node_token(plane: ControlPlane, node_id: str) -> str:
+    """A new node token for ``node_id``, made as registration makes one (domain/credentials.py),
+    for a test that plays the node's agent at the control plane. The token the node's agent held
+    stops working (its pushes from the control plane still do)."""
+    from domain import credentials
+    from models import Node
+
+    with plane.services.db.write() as session:
+        node = session.get(Node, node_id)
+        assert node is not None, f"no node {node_id}"
+        return credentials.issue_node_token(node)
+
+
+def launch_secret(plane: ControlPlane, node_id: str) -> str:
+    """Bind ``node_id`` to a new launch secret, as the local provisioner does for each agent process
+    it starts (domain/credentials.py): for a test that starts the node's agent by hand."""
+    from domain import credentials
+    from models import Node
+
+    with plane.services.db.write() as session:
+        node = session.get(Node, node_id)
+        assert node is not None, f"no node {node_id}"
+        return credentials.bind_launch_secret(node)

@@ -34,8 +34,11 @@ from agents.state import AgentState, ApplyStatus
 from tests.conftest import free_port, shm_root_for, wait_for
 
 CLUSTER = "demo"
-CLUSTER_TOKEN = "cluster-secret-0123"
+CLUSTER_TOKEN = "cluster-secret-0123"  # between agents
 BOOTSTRAP_TOKEN = "bootstrap-secret-4567"
+LAUNCH_SECRET = "launch-secret-89ab"  # what the local provisioner hands an agent with --node-id
+NODE_TOKEN = "node-secret-cdef"  # the agent's credential at the control plane
+CONTROL_PLANE_TOKEN = "control-plane-secret-0246"  # the control plane's at the agent
 NODE = "i-0123456789abcdef0"
 MIB = 1024 * 1024
 ROUTE = re.compile(
@@ -96,7 +99,7 @@ class StandIn:
                 return 401, {"error": "Unauthorized", "message": "missing token"}
             if match["register"] and method == "POST":
                 node_id = body.get("node_id")
-                if token != (CLUSTER_TOKEN if node_id else BOOTSTRAP_TOKEN):
+                if token != (LAUNCH_SECRET if node_id else BOOTSTRAP_TOKEN):
                     return 403, {"error": "Forbidden", "message": "wrong token"}
                 if node_id is None:
                     if not self.pending:
@@ -107,11 +110,13 @@ class StandIn:
                     return 404, {"error": "NotFound", "message": f"no node {node_id}"}
                 return 200, {
                     "node_id": node_id,
+                    "node_token": NODE_TOKEN,
+                    "control_plane_token": CONTROL_PLANE_TOKEN,
                     "cluster_token": CLUSTER_TOKEN,
                     "heartbeat_interval_s": 0.1,
                     "policy": policy(self.generation, node_id),
                 }
-            if token != CLUSTER_TOKEN:
+            if token != NODE_TOKEN:
                 return 403, {"error": "Forbidden", "message": "wrong token"}
             if match["node"] not in self.nodes:
                 return 404, {"error": "NotFound", "message": f"no node {match['node']}"}
@@ -182,11 +187,16 @@ class Agent:
         return httpx.get(f"{self.url}{path}", timeout=5)
 
     def put_policy(
-        self, doc: Any, *, token: str | None = CLUSTER_TOKEN, raw: bytes | None = None
+        self,
+        doc: Any,
+        *,
+        token: str | None = CONTROL_PLANE_TOKEN,
+        raw: bytes | None = None,
+        query: str = "",
     ) -> httpx.Response:
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         content = raw if raw is not None else json.dumps(doc).encode()
-        return httpx.put(f"{self.url}/v1/policy", content=content, headers=headers, timeout=5)
+        return httpx.put(f"{self.url}/v1/policy{query}", content=content, headers=headers, timeout=5)
 
     def health(self) -> dict[str, Any]:
         body: dict[str, Any] = self.get("/health").json()
@@ -224,7 +234,7 @@ def start_agent(tmp_path: Path) -> Iterator[StartAgent]:
     started: list[Agent] = []
 
     def start(
-        control_plane: str, *args: str, token: str = CLUSTER_TOKEN, env: dict[str, str] | None = None
+        control_plane: str, *args: str, token: str = LAUNCH_SECRET, env: dict[str, str] | None = None
     ) -> Agent:
         clean = {key: value for key, value in os.environ.items() if not key.startswith("HPSIM_AGENT_")}
         environment = {
@@ -281,7 +291,7 @@ def test_agent_listens_registers_and_applies_the_registration_policy(
     wait_for(registered(agent), timeout=15, what="registration")
 
     [register] = stand_in.calls("/register")
-    assert register.authorization == f"Bearer {CLUSTER_TOKEN}"
+    assert register.authorization == f"Bearer {LAUNCH_SECRET}"
     assert register.body["node_id"] == NODE
     assert register.body["pid"] == agent.process.pid
     assert register.body["instance_type"] == "ml.p5.48xlarge"
@@ -345,6 +355,10 @@ def test_put_policy_applies_newer_generations_and_refuses_the_rest(
     assert wrong.status_code == 403
     assert wrong.json()["error"] == "InvalidToken"
     assert set(wrong.json()) == {"error", "message"}
+    # The cluster token, which every agent holds, pushes nothing: only the control plane does.
+    peer = agent.put_policy(policy(3, NODE), token=CLUSTER_TOKEN)
+    assert peer.status_code == 403
+    assert "pushed by the control plane only" in peer.json()["message"]
 
     for bad, complaint in [
         ([1, 2], "must be a JSON object, got array"),
@@ -366,6 +380,14 @@ def test_put_policy_applies_newer_generations_and_refuses_the_rest(
     assert agent.get("/v1/policy").json() == policy(2, NODE)
     assert agent.metric("hpsim_agent_policy_applies_total") == 2
 
+    # A reset: the control plane re-syncs the agent to an older generation of its own.
+    bad_reset = agent.put_policy(policy(1, NODE), query="?reset=yes")
+    assert (bad_reset.status_code, bad_reset.json()["error"]) == (400, "InvalidRequest")
+    assert agent.put_policy(policy(1, NODE), token=CLUSTER_TOKEN, query="?reset=true").status_code == 403
+    reset = agent.put_policy(policy(1, NODE), query="?reset=true")
+    assert (reset.status_code, reset.json()) == (200, {"applied_generation": 1})
+    assert agent.get("/v1/policy").json() == policy(1, NODE)
+
 
 def test_agent_pulls_the_policy_when_a_heartbeat_says_it_is_behind(
     stand_in: StandIn, start_agent: StartAgent
@@ -382,8 +404,8 @@ def test_agent_pulls_the_policy_when_a_heartbeat_says_it_is_behind(
     assert agent.get("/v1/policy").json() == policy(3, NODE)
     pulls = stand_in.calls("/policy")
     assert pulls
-    assert {(pull.method, pull.authorization) for pull in pulls} == {("GET", f"Bearer {CLUSTER_TOKEN}")}
-    assert {call.authorization for call in stand_in.calls("/heartbeat")} == {f"Bearer {CLUSTER_TOKEN}"}
+    assert {(pull.method, pull.authorization) for pull in pulls} == {("GET", f"Bearer {NODE_TOKEN}")}
+    assert {call.authorization for call in stand_in.calls("/heartbeat")} == {f"Bearer {NODE_TOKEN}"}
     # The control plane then learns the generation applied.
     wait_for(
         lambda: any(call.body["applied_generation"] == 3 for call in stand_in.calls("/heartbeat")),
@@ -440,13 +462,14 @@ def test_external_agent_registers_with_the_bootstrap_token(
     assert agent.generation() == 1
 
     assert agent.put_policy(policy(2, "i-0fedcba987654321"), token=BOOTSTRAP_TOKEN).status_code == 403
-    accepted = agent.put_policy(policy(2, "i-0fedcba987654321"), token=CLUSTER_TOKEN)
+    assert agent.put_policy(policy(2, "i-0fedcba987654321"), token=CLUSTER_TOKEN).status_code == 403
+    accepted = agent.put_policy(policy(2, "i-0fedcba987654321"), token=CONTROL_PLANE_TOKEN)
     assert (accepted.status_code, accepted.json()) == (200, {"applied_generation": 2})
 
     wait_for(lambda: stand_in.calls("/heartbeat"), timeout=15, what="a heartbeat")
     heartbeat = stand_in.calls("/heartbeat")[0]
     assert heartbeat.path.endswith("/nodes/i-0fedcba987654321/heartbeat")
-    assert heartbeat.authorization == f"Bearer {CLUSTER_TOKEN}"
+    assert heartbeat.authorization == f"Bearer {NODE_TOKEN}"
 
 
 def test_agent_exits_0_when_its_node_is_deleted(stand_in: StandIn, start_agent: StartAgent) -> None:
@@ -519,6 +542,16 @@ def test_loop_backs_off_on_temporary_failures_and_retries_permanent_ones_slowly(
         httpx.Response(
             200, json={"node_id": NODE, "cluster_token": CLUSTER_TOKEN, "policy": policy(1, NODE)}
         ),
+        httpx.Response(  # not the contract: no node token, no control-plane token (permanent)
+            200,
+            json={
+                "node_id": NODE,
+                "cluster_token": CLUSTER_TOKEN,
+                "node_token": NODE_TOKEN,
+                "control_plane_token": CONTROL_PLANE_TOKEN,
+                "policy": policy(1, NODE),
+            },
+        ),
         httpx.Response(500, text="oops"),  # heartbeat: temporary
         httpx.Response(200, json={"desired_generation": 1}),
         httpx.Response(404, json={"error": "NotFound", "message": "no node"}),  # the node was deleted
@@ -540,7 +573,7 @@ def test_loop_backs_off_on_temporary_failures_and_retries_permanent_ones_slowly(
         def random(self) -> float:
             return 1.0  # no jitter
 
-    state = AgentState(cluster=CLUSTER, node_id=NODE, cluster_token=SecretStr(CLUSTER_TOKEN))
+    state = AgentState(cluster=CLUSTER, node_id=NODE)
 
     async def scenario() -> LoopOutcome:
         transport = httpx.MockTransport(answer)
@@ -551,7 +584,7 @@ def test_loop_backs_off_on_temporary_failures_and_retries_permanent_ones_slowly(
                 state=state,
                 client=client,
                 identity=Identity(endpoint="http://127.0.0.1:1", pid=1, instance_type=None, memory_bytes=0),
-                token=SecretStr(CLUSTER_TOKEN),
+                token=SecretStr(LAUNCH_SECRET),
                 heartbeat_interval_s=1.0,
                 adopt_control_plane_interval=True,
                 backoff=Backoff(initial_s=0.1, max_s=2.0, rng=Top()),
@@ -561,9 +594,12 @@ def test_loop_backs_off_on_temporary_failures_and_retries_permanent_ones_slowly(
             return await loop.run()
 
     assert asyncio.run(scenario()) is LoopOutcome.NODE_DELETED
-    assert paths == ["register"] * 4 + ["heartbeat"] * 3
-    # Backoff after the connect error and the 503, the slow retry after the 403, then the heartbeat
-    # interval after the 500 (the backoff is shorter) and after the 200.
-    assert slept == [0.1, 0.2, 5.0, 1.0, 1.0]
+    assert paths == ["register"] * 5 + ["heartbeat"] * 3
+    # Backoff after the connect error and the 503, the slow retries after the 403 and the answer
+    # without the node's tokens, then the heartbeat interval after the 500 (the backoff is shorter)
+    # and after the 200.
+    assert slept == [0.1, 0.2, 5.0, 5.0, 1.0, 1.0]
     assert (state.registered, state.applied_generation) == (True, 1)
-    assert (state.counters.heartbeat_failures_total, state.counters.heartbeats_total) == (4, 1)
+    assert (state.counters.heartbeat_failures_total, state.counters.heartbeats_total) == (5, 1)
+    assert state.node_token is not None
+    assert state.node_token.get_secret_value() == NODE_TOKEN

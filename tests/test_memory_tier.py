@@ -17,7 +17,7 @@ import pytest
 import xxhash
 
 from domain.provisioning import find_agent_pids
-from tests.conftest import EKS, ROLE, ControlPlane, shm_root_for, wait_for
+from tests.conftest import EKS, ROLE, ControlPlane, launch_secret, shm_root_for, wait_for
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
@@ -349,6 +349,8 @@ def test_restarted_agent_restores_missing_replicas(
     )
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not find_agent_pids(owner), timeout=30, what="the agent to die")
+    # Started as the provisioner starts one: with a new launch secret (the old one is spent).
+    environ[b"HPSIM_AGENT_TOKEN"] = launch_secret(agent_plane, owner).encode()
     with open(tmp_path / "restarted.log", "wb") as log:
         restarted = subprocess.Popen(argv, env=environ, stdout=log, stderr=subprocess.STDOUT)
     try:

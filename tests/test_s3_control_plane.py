@@ -33,6 +33,7 @@ from tests.conftest import (
     free_port,
     group,
     kill_processes_under,
+    node_token,
     shm_root_for,
     wait_for,
     wait_gone,
@@ -234,7 +235,7 @@ def test_the_policy_hands_the_s3_endpoint_to_the_agents(control_plane: ControlPl
         TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20},
     )
     policy_url = f"{control_plane.url}/agent/v1/clusters/pol/nodes/{node}/policy"
-    headers = auth(token_of(control_plane, "pol"))
+    headers = auth(node_token(control_plane, node))
     assert httpx.get(policy_url, headers=headers).json()["s3"] is None  # no S3BaseUri yet
     body = {"S3BaseUri": "s3://hpsim-checkpoints/pol", "PersistEverySeconds": 60}
     assert httpx.put(f"{control_plane.url}/clusters/pol/checkpoint-policy", json=body).status_code == 200
@@ -252,13 +253,20 @@ def test_the_policy_hands_the_s3_endpoint_to_the_agents(control_plane: ControlPl
 
 
 async def _heartbeat(plane: ControlPlane, cluster: str, node_id: str, provider: Any) -> AgentState:
-    """One registration and one heartbeat by the agent's own loop and client, over HTTP."""
+    """One heartbeat by the agent's own loop and client, over HTTP, as the registered agent of the
+    node (with a node token made as registration makes one)."""
 
     async def no_wait(seconds: float) -> None:
         return None
 
-    token = SecretStr(token_of(plane, cluster))
-    state = AgentState(cluster=cluster, node_id=node_id, cluster_token=token)
+    token = SecretStr(node_token(plane, node_id))
+    state = AgentState(cluster=cluster, node_id=node_id)
+    state.mark_registered(
+        node_id=node_id,
+        cluster_token=SecretStr(token_of(plane, cluster)),
+        node_token=token,
+        control_plane_token=SecretStr("unused: nothing pushes to this agent"),
+    )
     async with ControlPlaneClient(base_url=plane.url, cluster=cluster, timeout_s=10) as client:
         loop = AgentLoop(
             state=state,
@@ -274,7 +282,6 @@ async def _heartbeat(plane: ControlPlane, cluster: str, node_id: str, provider: 
             sleep=no_wait,
             status_provider=provider,
         )
-        assert await loop.register_once()
         await loop.heartbeat_once()
     return state
 
@@ -348,7 +355,7 @@ def test_a_bad_s3_status_is_refused(control_plane: ControlPlane, sm: Any, s3: An
     response = httpx.post(
         f"{control_plane.url}/agent/v1/clusters/bad/nodes/{node}/heartbeat",
         json={"applied_generation": 1, "s3": s3},
-        headers=auth(token_of(control_plane, "bad")),
+        headers=auth(node_token(control_plane, node)),
     )
     assert response.status_code == 400
     assert response.json() == {"error": "InvalidS3Status", "message": message}
@@ -362,7 +369,7 @@ def test_a_bad_s3_status_is_refused(control_plane: ControlPlane, sm: Any, s3: An
 def test_agent_events_show_in_the_cluster_events(control_plane: ControlPlane, sm: Any) -> None:
     node = in_service(control_plane, sm, "ev", 1)[0]
     url = f"{control_plane.url}/agent/v1/clusters/ev/events"
-    headers = auth(token_of(control_plane, "ev"))
+    headers = auth(node_token(control_plane, node))
     message = "Step 300 of namespace job was not persisted to S3: SlowDown."
     created = httpx.post(url, json={"node_id": node, "level": "Warn", "message": message}, headers=headers)
     assert created.status_code == 201, created.text
@@ -391,10 +398,11 @@ def test_agent_events_show_in_the_cluster_events(control_plane: ControlPlane, sm
     [
         ({"level": "Info", "message": "m"}, None, 401, "MissingToken"),
         ({"level": "Info", "message": "m"}, "not-the-token", 403, "InvalidToken"),
-        ({"level": "Info", "message": "m", "node_id": "i-0000000000000000a"}, "cluster", 404, "NodeNotFound"),
-        ({"level": "Debug", "message": "m"}, "cluster", 400, "InvalidRequest"),
-        ({"level": "Info", "message": ""}, "cluster", 400, "InvalidRequest"),
-        ({"level": "Info", "message": "x" * 2049}, "cluster", 400, "InvalidRequest"),
+        ({"level": "Info", "message": "m"}, "cluster", 403, "InvalidToken"),
+        ({"level": "Info", "message": "m", "node_id": "i-0000000000000000a"}, "node", 403, "WrongNode"),
+        ({"level": "Debug", "message": "m"}, "node", 400, "InvalidRequest"),
+        ({"level": "Info", "message": ""}, "node", 400, "InvalidRequest"),
+        ({"level": "Info", "message": "x" * 2049}, "node", 400, "InvalidRequest"),
     ],
 )
 def test_agent_events_are_checked(
@@ -402,8 +410,10 @@ def test_agent_events_are_checked(
 ) -> None:
     node = in_service(control_plane, sm, "evc", 1)[0]
     before = event_descriptions(sm, "evc")
-    if token == "cluster":
+    if token == "cluster":  # the agents' shared token reports nothing: events are a node's own
         token = token_of(control_plane, "evc")
+    elif token == "node":
+        token = node_token(control_plane, node)
     response = httpx.post(
         f"{control_plane.url}/agent/v1/clusters/evc/events",
         json={"node_id": node, **body},
@@ -450,13 +460,15 @@ def test_a_draining_agent_is_heard_until_it_exits(agent_plane: ControlPlane, tmp
         TieredStorageConfig={"Mode": "Enable"},
     )
     wait_for(lambda: _status(sm, "drain") == "InService", timeout=90, what="drain to be InService")
-    token = token_of(agent_plane, "drain")
     api = f"{agent_plane.url}/agent/v1/clusters/drain"
+    victim, survivor = node_ids(sm, "drain")
+    # The test plays the victim's agent (whose own node token then stops working: it is deleted
+    # right after, so its heartbeats answer 404 whatever token they carry).
+    token = node_token(agent_plane, victim)
     created = httpx.post(
         f"{api}/namespaces/job", json={"num_ranks": 2, "steps_retained": 1}, headers=auth(token)
     )
     assert created.status_code == 201, created.text
-    victim, survivor = node_ids(sm, "drain")
 
     # Scale-down: the victim's node stays ShuttingDown while its agent lingers.
     sm.batch_delete_cluster_nodes(ClusterName="drain", NodeIds=[victim])
@@ -489,6 +501,7 @@ def test_a_draining_agent_is_heard_until_it_exits(agent_plane: ControlPlane, tmp
         lambda: len(find_agent_pids(survivor)) == 1, timeout=60, what="the survivor's agent to be stopped"
     )
     assert _status(sm, "drain") == "Deleting"
+    token = node_token(agent_plane, survivor)  # the survivor's agent, now the test's to play
     deleting = record(
         agent_plane, "drain", token, survivor, "Step 9 of namespace job was not persisted to S3."
     )
