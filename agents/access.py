@@ -33,6 +33,12 @@ def refusal(state: AgentState, request: Request, credential: Credential) -> Resp
             else f"the agent is not registered yet: it does not know the {credential.value} to check"
         )
         return error_response(401, "NotRegistered", message, headers=_BEARER)
+    if credential is Credential.CONTROL_PLANE:
+        message = (
+            f"the token is not the control-plane token of node {state.node_id}: policies are pushed "
+            "by the control plane only"
+        )
+        return error_response(403, "InvalidToken", message)
     return error_response(403, "InvalidToken", f"the token is not the {credential.value} of {state.cluster}")
 
 

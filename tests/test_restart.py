@@ -176,7 +176,7 @@ def test_heartbeat_deadlines_count_from_the_control_planes_start(control_plane: 
     registered = services.agents.register(
         cluster_name="quiet", token=bootstrap, node_id=None, endpoint="http://127.0.0.1:9", pid=None
     )
-    node, token = registered["node_id"], registered["cluster_token"]
+    node, token = registered["node_id"], registered["node_token"]
     services.agents.heartbeat(
         cluster_name="quiet", node_id=node, token=token, applied_generation=1, endpoint=None, pid=None
     )
