@@ -4,6 +4,7 @@ SDK-only install never pulls in the server."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -26,17 +27,21 @@ def _serve(args: argparse.Namespace) -> int:
         settings.database.url = args.database_url
     embedded = None
     agent_env: dict[str, str] = {}
-    if settings.s3.embedded and settings.s3.endpoint_url is None:
-        from hyperpod_sim.embedded_s3 import start_embedded_s3
+    if settings.s3.embedded != "off" and settings.s3.endpoint_url is None:
+        from hyperpod_sim.embedded_s3 import EmbeddedS3Error, start_embedded_s3
 
-        embedded = start_embedded_s3(settings.s3)
+        try:
+            embedded = start_embedded_s3(settings.s3, data_dir=settings.data_dir)
+        except EmbeddedS3Error as exc:
+            print(f"hyperpod-sim serve: {exc}", file=sys.stderr, flush=True)
+            return 1
         # From here on the embedded endpoint is the endpoint: policies hand it to the agents.
         settings.s3.endpoint_url = embedded.endpoint_url
         agent_env = embedded.agent_env()
-        print(
-            f"embedded S3 (moto, not durable) at {embedded.endpoint_url}, bucket {embedded.bucket}",
-            flush=True,
-        )
+        print(embedded.banner(), flush=True)
+        # uvicorn re-raises a SIGTERM it caught once it has shut down; under the default handler that
+        # ends the process before the `finally` below stops the embedded S3 (a process of its own).
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         app = create_app(settings, agent_env=agent_env)
         print(
@@ -49,6 +54,10 @@ def _serve(args: argparse.Namespace) -> int:
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 _AGENT_FLAGS = (
@@ -107,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the control plane",
         description="Run the control plane. Every flag can also be set by environment "
         "(HPSIM_HOST, HPSIM_PORT, HPSIM_DATABASE__URL, HPSIM_DATA_DIR). Without "
-        "HPSIM_S3__ENDPOINT_URL it also starts an embedded S3 endpoint (moto, in memory: not "
-        "durable) unless HPSIM_S3__EMBEDDED=false.",
+        "HPSIM_S3__ENDPOINT_URL it also starts an embedded S3 endpoint: SeaweedFS, durable, its "
+        "data in the data dir, on port 8333 (HPSIM_S3__EMBEDDED_PORT); HPSIM_S3__EMBEDDED=moto for "
+        "moto's in memory, =off for none.",
     )
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8080)")
