@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -36,13 +37,14 @@ import subprocess
 import sys
 import sysconfig
 import time
+import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from hyperpod_sim.settings import EMBEDDED_PORTS, S3Settings
+from hyperpod_sim.settings import EMBEDDED_PORTS, GRPC_OFFSET, S3Settings
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +59,29 @@ IDENTITIES_FILE = "identities.json"
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 20.0
 READY_PROBE_KEY = ".hpsim-ready"
-# The listeners of `weed mini`, by offset from the S3 port (EMBEDDED_PORTS of them).
+# The listeners of `weed mini`, by offset from the S3 port: EMBEDDED_PORTS in a row, and the admin
+# server's gRPC port at its HTTP port + 10000, SeaweedFS's rule (its maintenance worker dials that,
+# whatever -admin.port.grpc says).
 WEED_PORTS = (
-    ("s3.port", "S3"),
-    ("master.port", "master"),
-    ("volume.port", "volume server"),
-    ("filer.port", "filer"),
-    ("master.port.grpc", "master gRPC"),
-    ("volume.port.grpc", "volume server gRPC"),
-    ("filer.port.grpc", "filer gRPC"),
-    ("s3.port.grpc", "S3 gRPC"),
-    ("admin.port", "admin"),
-    ("admin.port.grpc", "admin gRPC"),
+    ("s3.port", "S3", 0),
+    ("master.port", "master", 1),
+    ("volume.port", "volume server", 2),
+    ("filer.port", "filer", 3),
+    ("master.port.grpc", "master gRPC", 4),
+    ("volume.port.grpc", "volume server gRPC", 5),
+    ("filer.port.grpc", "filer gRPC", 6),
+    ("s3.port.grpc", "S3 gRPC", 7),
+    ("admin.port", "admin server", 8),
+    ("admin.port.grpc", "admin server gRPC", 8 + GRPC_OFFSET),
 )
-assert len(WEED_PORTS) == EMBEDDED_PORTS
+assert max(offset for *_, offset in WEED_PORTS if offset < GRPC_OFFSET) == EMBEDDED_PORTS - 1
+
+
+def weed_ports(port: int) -> list[tuple[str, str, int]]:
+    """(flag, what, port) of every listener of the embedded ``weed mini`` on S3 port ``port``."""
+    return [(flag, what, port + offset) for flag, what, offset in WEED_PORTS]
+
+
 # What `weed mini` would start beyond the S3 gateway and the servers behind it, turned off (the admin
 # server cannot be: its UI can, and it listens on loopback like the rest).
 WEED_OFF = (
@@ -80,6 +91,8 @@ WEED_OFF = (
     "-s3.port.lance=0",
     "-s3.iam=false",
     "-master.telemetry=false",
+    # One volume server: nobody to hand over to before it stops (mini waits 1 s by default).
+    "-volume.preStopSeconds=0",
 )
 
 
@@ -313,7 +326,7 @@ def weed_binary(configured: str | None = None) -> str:
 def weed_argv(binary: str, *, s3_dir: Path, port: int, bucket: str, identities: Path) -> list[str]:
     """The command line of the embedded ``weed mini``: every listener on 127.0.0.1 at a fixed
     offset from ``port``, the extra servers off, the identities file enforced."""
-    ports = [f"-{flag}={port + offset}" for offset, (flag, _) in enumerate(WEED_PORTS)]
+    ports = [f"-{flag}={number}" for flag, _, number in weed_ports(port)]
     # Its unix sockets next to its data, rather than in /tmp where another user could squat the
     # names, unless the path is too long for a socket address (then weed's default, per port).
     sockets = [
@@ -339,16 +352,17 @@ def weed_argv(binary: str, *, s3_dir: Path, port: int, bucket: str, identities: 
 
 
 def _check_ports_free(port: int) -> None:
-    for offset, (flag, what) in enumerate(WEED_PORTS):
+    for flag, what, number in weed_ports(port):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as weed's listeners do
             try:
-                probe.bind((HOST, port + offset))
+                probe.bind((HOST, number))
             except OSError as exc:
                 raise EmbeddedS3Error(
-                    f"port {port + offset} on {HOST} (the embedded S3's {what}, -{flag}) is in use "
-                    f"({exc.strerror}): the embedded S3 takes {EMBEDDED_PORTS} ports from "
-                    f"HPSIM_S3__EMBEDDED_PORT={port} on; choose another with HPSIM_S3__EMBEDDED_PORT"
+                    f"port {number} on {HOST} (the embedded S3's {what}, -{flag}) is in use "
+                    f"({exc.strerror}): the embedded S3 takes ports {port}-{port + EMBEDDED_PORTS - 1} "
+                    f"and {port + EMBEDDED_PORTS - 1 + GRPC_OFFSET} from HPSIM_S3__EMBEDDED_PORT={port}; "
+                    "choose another with HPSIM_S3__EMBEDDED_PORT"
                 ) from exc
 
 
@@ -366,10 +380,12 @@ def _write_private(path: Path, text: str) -> None:
 class _Weed:
     """The weed process: a child of this process, or one adopted from a serve that is gone."""
 
-    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None, pid_file: Path) -> None:
+    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None, s3_dir: Path, port: int) -> None:
         self.pid = pid
         self.popen = popen
-        self.pid_file = pid_file
+        self.s3_dir = s3_dir
+        self.pid_file = s3_dir / PID_FILE
+        self.master_url = f"http://{HOST}:{port + 1}"
 
     def alive(self) -> bool:
         if self.popen is not None:
@@ -436,7 +452,7 @@ def _is_serve(pid: int) -> bool:
     return "serve" in argv and any("hyperpod" in part for part in argv)
 
 
-def _left_running(s3_dir: Path, argv: list[str], data_dir: Path) -> _Weed | None:
+def _left_running(s3_dir: Path, argv: list[str], data_dir: Path, port: int) -> _Weed | None:
     """A weed on this data dir that a previous serve left running (it was killed): adopted if it
     runs with this start's command line, else stopped (the settings changed). EmbeddedS3Error if a
     live serve runs it."""
@@ -454,13 +470,32 @@ def _left_running(s3_dir: Path, argv: list[str], data_dir: Path) -> _Weed | None
             f"the embedded S3 of data dir {data_dir} is already running (SeaweedFS pid {pid}, started by "
             f"hyperpod-sim serve pid {parent}): one serve per data dir"
         )
-    weed = _Weed(pid, None, pid_file)
+    weed = _Weed(pid, None, s3_dir, port)
     if running == argv:
         log.warning("adopting SeaweedFS (pid %d), left running by a serve that was stopped without it", pid)
         return weed
     log.warning("stopping SeaweedFS (pid %d), left running with other settings by a previous serve", pid)
     weed.stop()
     return None
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, never a proxy
+_VOLUME_FILE = re.compile(r"^(?:.+_)?(\d+)\.dat$")  # <id>.dat or <collection>_<id>.dat
+
+
+def _volumes_unknown_to_master(s3_dir: Path, master_url: str) -> list[int]:
+    """The volumes on disk that the master cannot locate yet (``/dir/lookup``)."""
+    ids = sorted({int(m.group(1)) for p in s3_dir.glob("*.dat") if (m := _VOLUME_FILE.match(p.name))})
+    unknown = []
+    for volume in ids:
+        try:
+            with _NO_PROXY.open(f"{master_url}/dir/lookup?volumeId={volume}", timeout=5) as answer:
+                found = json.loads(answer.read()).get("locations")
+        except (OSError, ValueError):
+            found = None
+        if not found:
+            unknown.append(volume)
+    return unknown
 
 
 def _log_tail(path: Path, lines: int = 15) -> str:
@@ -504,7 +539,7 @@ def start_seaweedfs_s3(settings: S3Settings, *, data_dir: Path, port: int | None
     binary = weed_binary(settings.weed_binary)
     argv = weed_argv(binary, s3_dir=s3_dir, port=port, bucket=settings.bucket, identities=identities)
     started = time.monotonic()
-    weed = _left_running(s3_dir, argv, data_dir)
+    weed = _left_running(s3_dir, argv, data_dir, port)
     adopted = weed is not None
     log_path = s3_dir / LOG_FILE
     if weed is None:
@@ -524,7 +559,7 @@ def start_seaweedfs_s3(settings: S3Settings, *, data_dir: Path, port: int | None
                 # this S3 and then stops it.
                 start_new_session=os.name == "posix",
             )
-        weed = _Weed(popen.pid, popen, s3_dir / PID_FILE)
+        weed = _Weed(popen.pid, popen, s3_dir, port)
         _write_private(weed.pid_file, json.dumps({"pid": popen.pid, "argv": argv}))
     endpoint_url = f"http://{HOST}:{port}"
     try:
@@ -571,7 +606,12 @@ def _wait_ready(
                 _create_bucket(client, settings)
                 client.put_object(Bucket=settings.bucket, Key=READY_PROBE_KEY, Body=b"")
                 client.delete_object(Bucket=settings.bucket, Key=READY_PROBE_KEY)
-                return
+                unknown = _volumes_unknown_to_master(weed.s3_dir, weed.master_url)
+                if not unknown:
+                    return
+                # Objects already stored are readable once the volume server has reported every
+                # volume it holds to the master (its first heartbeats).
+                last = f"volumes {unknown} not yet known to the master"
             except ClientError as exc:
                 error = exc.response.get("Error", {})
                 if error.get("Code") in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):

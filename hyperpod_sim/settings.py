@@ -82,7 +82,8 @@ class SimulationSettings(BaseModel):
 
 
 EmbeddedS3Kind = Literal["seaweedfs", "moto", "off"]
-EMBEDDED_PORTS = 10  # consecutive ports of the embedded SeaweedFS, from embedded_port on
+EMBEDDED_PORTS = 9  # consecutive ports of the embedded SeaweedFS from embedded_port on (and one more)
+GRPC_OFFSET = 10000  # SeaweedFS's default distance of a gRPC port from its HTTP port
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no"}
 
@@ -107,10 +108,11 @@ class S3Settings(BaseModel):
     embedded_port: int = Field(
         default=8333,
         ge=1024,
-        le=65535 - EMBEDDED_PORTS + 1,
+        le=65535 - EMBEDDED_PORTS + 1 - GRPC_OFFSET,
         description="seaweedfs: the S3 port of the embedded server, the same on every start. SeaweedFS's "
         f"other listeners take the next {EMBEDDED_PORTS - 1} ports (master, volume, filer, their gRPC "
-        "ports, S3 gRPC, admin), all on 127.0.0.1.",
+        f"ports, S3 gRPC, admin) and the admin's gRPC port {GRPC_OFFSET} above the admin's, all on "
+        "127.0.0.1 (8333: 8333-8341 and 18341).",
     )
     embedded_start_timeout_s: float = Field(
         default=30.0,

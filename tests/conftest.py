@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -32,7 +33,8 @@ from sqlalchemy.engine import make_url
 
 from api.app import create_app
 from api.deps import Services
-from hyperpod_sim.settings import EMBEDDED_PORTS, Settings
+from hyperpod_sim.embedded_s3 import weed_ports
+from hyperpod_sim.settings import Settings
 
 POSTGRES_URL = os.environ.get("HPSIM_TEST_POSTGRES_URL")
 ROLE = "arn:aws:iam::123456789012:role/HyperPodExecution"
@@ -57,22 +59,20 @@ def free_port() -> int:
         return port
 
 
-def free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive free loopback ports (the embedded SeaweedFS takes
-    EMBEDDED_PORTS of them from its HPSIM_S3__EMBEDDED_PORT on)."""
+def free_s3_port() -> int:
+    """An S3 port for the embedded SeaweedFS whose every listener (weed_ports) is free now: below the
+    ephemeral range, so that no connection of another test takes one of them meanwhile."""
     for _ in range(200):
-        base = free_port()
-        if base + count > 65535:
-            continue
+        base = random.randrange(15000, 22000)
         try:
             with contextlib.ExitStack() as stack:
-                for port in range(base, base + count):
+                for _flag, _what, port in weed_ports(base):
                     sock = stack.enter_context(socket.socket())
                     sock.bind(("127.0.0.1", port))
         except OSError:
             continue
         return base
-    raise RuntimeError(f"no {count} consecutive free ports found")
+    raise RuntimeError("no free port block for the embedded S3 found")
 
 
 _S3_PORTS: dict[Path, int] = {}
@@ -83,7 +83,7 @@ def embedded_s3_port(data_dir: Path) -> int:
     S3 keeps its port across restarts, as serve's default does), free for each data dir (tests of
     several helpers may run on one machine at once)."""
     if data_dir not in _S3_PORTS:
-        _S3_PORTS[data_dir] = free_port_block(EMBEDDED_PORTS)
+        _S3_PORTS[data_dir] = free_s3_port()
     return _S3_PORTS[data_dir]
 
 
