@@ -351,6 +351,21 @@ def weed_argv(binary: str, *, s3_dir: Path, port: int, bucket: str, identities: 
     ]
 
 
+def free_embedded_port(low: int = 15000, high: int = 22000) -> int:
+    """An S3 port in [low, high) whose every listener (weed_ports) is free now (tests, benchmarks:
+    below the usual ephemeral range, so that no outgoing connection takes one meanwhile)."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(low, high)
+        try:
+            _check_ports_free(base)
+        except EmbeddedS3Error:
+            continue
+        return base
+    raise EmbeddedS3Error(f"no free block of embedded S3 ports between {low} and {high}")
+
+
 def _check_ports_free(port: int) -> None:
     for flag, what, number in weed_ports(port):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

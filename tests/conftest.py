@@ -6,10 +6,8 @@ the server named by ``HPSIM_TEST_POSTGRES_URL`` (PostgreSQL tests are skipped wi
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -33,7 +31,7 @@ from sqlalchemy.engine import make_url
 
 from api.app import create_app
 from api.deps import Services
-from hyperpod_sim.embedded_s3 import weed_ports
+from hyperpod_sim.embedded_s3 import free_embedded_port
 from hyperpod_sim.settings import Settings
 
 POSTGRES_URL = os.environ.get("HPSIM_TEST_POSTGRES_URL")
@@ -59,22 +57,6 @@ def free_port() -> int:
         return port
 
 
-def free_s3_port() -> int:
-    """An S3 port for the embedded SeaweedFS whose every listener (weed_ports) is free now: below the
-    ephemeral range, so that no connection of another test takes one of them meanwhile."""
-    for _ in range(200):
-        base = random.randrange(15000, 22000)
-        try:
-            with contextlib.ExitStack() as stack:
-                for _flag, _what, port in weed_ports(base):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port block for the embedded S3 found")
-
-
 _S3_PORTS: dict[Path, int] = {}
 
 
@@ -83,7 +65,7 @@ def embedded_s3_port(data_dir: Path) -> int:
     S3 keeps its port across restarts, as serve's default does), free for each data dir (tests of
     several helpers may run on one machine at once)."""
     if data_dir not in _S3_PORTS:
-        _S3_PORTS[data_dir] = free_s3_port()
+        _S3_PORTS[data_dir] = free_embedded_port()
     return _S3_PORTS[data_dir]
 
 
