@@ -31,7 +31,8 @@ from hyperpod_sim.embedded_s3 import (
     weed_ports,
 )
 from hyperpod_sim.settings import S3Settings, Settings
-from tests.conftest import embedded_s3_port, free_port, kill_processes_under, wait_for
+from tests.conftest import ServerProcess, embedded_s3_port, free_port, kill_processes_under, wait_for
+from tests.test_memory_tier_library import agents, run_job
 
 BUCKET = "hpsim-checkpoints"
 
@@ -269,3 +270,66 @@ def test_credentials_file_readable_by_others_is_made_owner_only(tmp_path: Path) 
     parser = configparser.ConfigParser()
     parser.read(path)
     assert parser["default"]["aws_secret_access_key"] == "mysecret"
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_library_loads_from_the_embedded_s3_what_the_agents_persisted_after_a_restart(
+    database_url: str, tmp_path: Path
+) -> None:
+    """The public library saves through the agents of a real serve; they persist to its embedded
+    SeaweedFS; serve stops and starts again; then the library's reader, with the S3 base path and
+    no in-memory tier, loads the newest persisted step through its own S3 code, pointed at the
+    embedded S3 by AWS_ENDPOINT_URL and the credentials file."""
+    env = {"HPSIM_PROVISIONING__MODE": "local", "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.2"}
+    first = ServerProcess(database_url, tmp_path, env).start()
+    endpoint = f"http://127.0.0.1:{embedded_s3_port(tmp_path)}"
+    credentials_file = tmp_path / "s3-credentials"
+    try:
+        sm = first.client()
+        urls = agents(sm, first, "lib", 2)
+        response = httpx.put(
+            f"{first.url}/clusters/lib/checkpoint-policy",
+            json={"S3BaseUri": f"s3://{BUCKET}/lib", "PersistEverySteps": 2},
+        )
+        assert response.status_code == 200, response.text
+        wait_for(lambda: sm.describe_cluster(ClusterName="lib")["ClusterStatus"] == "InService", timeout=60)
+        saved = run_job(tmp_path, urls, 2, "libjob", "1,2,3")
+        assert all(r["equal"] for r in saved), saved
+        parser = configparser.ConfigParser()
+        parser.read(credentials_file)
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}),
+            **parser["default"],
+        )
+
+        def committed() -> list[str]:
+            listing = s3.list_objects_v2(Bucket=BUCKET, Prefix="lib/libjob/_committed/")
+            return [item["Key"] for item in listing.get("Contents", [])]
+
+        wait_for(
+            lambda: committed() == ["lib/libjob/_committed/step_2.json"], timeout=60, what="step 2 on S3"
+        )
+        first.stop()
+        kill_processes_under(tmp_path)  # the old agents (and their memory) are not what is read below
+
+        second = ServerProcess(database_url, tmp_path, env, port=first.port).start()
+        try:
+            nowhere = f"http://127.0.0.1:{free_port()}"  # no agent listens: the in-memory tier is empty
+            reader_env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+            reader_env.update(
+                AWS_SHARED_CREDENTIALS_FILE=str(credentials_file),
+                AWS_CONFIG_FILE=str(tmp_path / "no-aws-config"),
+                AWS_ENDPOINT_URL=endpoint,
+                AWS_DEFAULT_REGION="us-east-1",
+            )
+            extra = ("--s3-base", f"s3://{BUCKET}/lib", "--expect-step", "2")
+            loaded = run_job(tmp_path, [nowhere], 2, "libjob", "", extra=extra, env=reader_env)
+            assert all(r["equal"] and r["loaded_step"] == 2 for r in loaded), loaded
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+        kill_processes_under(tmp_path)
