@@ -2,17 +2,21 @@
 
 Usage::
 
-    python bench/s3_tier.py [--sizes 64,256] [--ranks 2] [--repeats 3] [--saves 20] [--json out.json]
+    python bench/s3_tier.py [--s3 seaweedfs|moto] [--sizes 64,256] [--ranks 2] [--repeats 3] [--saves 20]
+        [--json out.json]
 
-One S3 endpoint for everything: moto's S3 server (``python -m moto.server``) as its own subprocess
-on a loopback port, so that it shares a GIL with no other side, keeping objects in memory
-(``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``, 1 GiB unless set: its default spills every part over ~5 MiB
-to a temp file, and disk writeback made the times noisier). ``hyperpod-sim serve`` runs with
-``HPSIM_S3__ENDPOINT_URL`` pointing at it (``HPSIM_S3__EMBEDDED=false``), dummy AWS credentials in
-its environment (its agents inherit them), ``HPSIM_SIMULATION__MEMORY_SCALE=1`` and shared memory
-under a temp dir in /dev/shm (removed at the end), and one cluster of one ``ml.p5.48xlarge`` with
-tiered storage at 20 % (a ~410 GiB budget: nothing is evicted for room). Its single agent has no
-replica peer, so nothing but the S3 tier runs in its background.
+One S3 endpoint for everything, in its own process so that it shares a GIL with no other side:
+SeaweedFS by default (``--s3 seaweedfs``: ``weed mini`` as ``serve`` embeds it, through
+``hyperpod_sim.embedded_s3``, its data in the run's temp dir, its generated credentials enforced),
+or moto's S3 server (``--s3 moto``: ``python -m moto.server`` on a loopback port, keeping objects
+in memory: ``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``, 1 GiB unless set: its default spills every part
+over ~5 MiB to a temp file, and disk writeback made the times noisier). ``hyperpod-sim serve``
+runs with ``HPSIM_S3__ENDPOINT_URL`` pointing at it (``HPSIM_S3__EMBEDDED=false``), the S3
+server's credentials in its environment (its agents inherit them),
+``HPSIM_SIMULATION__MEMORY_SCALE=1`` and shared memory under a temp dir in /dev/shm (removed at
+the end), and one cluster of one ``ml.p5.48xlarge`` with tiered storage at 20 % (a ~410 GiB
+budget: nothing is evicted for room). Its single agent has no replica peer, so nothing but the
+S3 tier runs in its background.
 
 1. **Persistence throughput.** Per size and repeat, the sides interleaved (each goes first in turn):
 
@@ -26,14 +30,14 @@ replica peer, so nothing but the S3 tier runs in its background.
      save's answer until the agent's ``hpsim_s3_persisted_steps_total`` counts the step, which it
      does as soon as its commit marker's PUT returned (the marker is visible from then on). The
      counter is polled every ``POLL_S`` over a keep-alive connection rather than HEAD on the
-     marker: moto limits every side here, and polling it would slow ours. The marker is then read
+     marker: the S3 server limits every side here, and polling it would slow ours. The marker is then read
      and its shard list checked (untimed).
    * **S3Objects** (where the difference comes from): the agent's own upload code,
      ``agents.s3objects.S3Objects.upload`` (its boto3 client, its ``TransferConfig``, a HEAD check
      of each object), called in this process like the baseline, without the rest of the agent.
 
    MiB/s = ranks x size / median time; the target is hyperpod-sim / boto3. Every side's objects are
-   deleted between repeats (ours by the policy's ``S3Retention: 1``, waited for) so that moto's
+   deleted between repeats (ours by the policy's ``S3Retention: 1``, waited for) so that the S3 server's
    memory does not grow.
 
 2. **Save latency while persisting.** Through the same agent, ``--saves`` steps of one data rank of
@@ -45,7 +49,7 @@ replica peer, so nothing but the S3 tier runs in its background.
      due step in the background while the next saves arrive;
    * **off + S3 load** (the control, measured last, the policy off again): as *off*, while another
      process (this script's ``--s3-load`` mode) runs the agent's upload code (``S3Objects.upload``
-     of an object of the save size) to moto in a loop, paced to the MiB/s at which the agent
+     of an object of the save size) to S3 in a loop, paced to the MiB/s at which the agent
      persisted during *every step* (from its first timed save until nothing was pending): the same
      background work on this machine, outside the agent's process.
      If *every step* is much slower than the control, the agent's own process is in the way (its
@@ -56,7 +60,7 @@ replica peer, so nothing but the S3 tier runs in its background.
    steps the agent persisted and how many bytes were uploaded in the background during the timed
    saves (persistence did overlap them).
 
-CPU time of moto, the agent and the uploading process per measurement comes from ``/proc`` (and
+CPU time of the S3 server, the agent and the uploading process per measurement comes from ``/proc`` (and
 ``/proc/stat`` for the whole machine: what other processes took meanwhile is printed too).
 """
 
@@ -494,7 +498,7 @@ def ours_upload(
 ) -> Upload:
     """Save the data ranks and the metadata rank of ``step``; time the metadata save's answer ->
     the step committed on S3. Then check the marker and wait for S3 retention (untimed).
-    ``pids``: moto, the agent, then the run's other processes."""
+    ``pids``: the S3 server, the agent, then the run's other processes."""
     metadata = Shard.of(METADATA)
     for rank, shard in enumerate(shards):
         agent.save(namespace, rank, step, shard)
@@ -570,7 +574,7 @@ def measure_throughput(
     repeats: int,
     body: bytes,
 ) -> list[ThroughputRow]:
-    """Every size: ``repeats`` rounds of the three sides, interleaved. ``pids``: moto, the agent,
+    """Every size: ``repeats`` rounds of the three sides, interleaved. ``pids``: the S3 server, the agent,
     then the run's other processes."""
     s3_pid = pids[0]
     others = tuple(p for p in pids[1:] if p != os.getpid())  # this process is the uploader there
@@ -618,7 +622,7 @@ def measure_throughput(
                 )
             for side in sides:
                 rows.append(throughput_row(size_mib, ranks, side, uploads[side]))
-            client.delete_namespace(namespace)  # untimed: free shared memory and moto's memory
+            client.delete_namespace(namespace)  # untimed: free shared memory and the S3 server's space
             delete_prefix(s3, f"ours/{namespace}/")
     finally:
         client.close()
@@ -721,7 +725,7 @@ def measure_latency(
     agent: Agent, pids: tuple[int, ...], persistence: str, body: bytes, saves: int, load: S3Load | None
 ) -> LatencyRow:
     """``saves`` timed steps (data rank timed, metadata rank not) after WARMUP_STEPS untimed ones.
-    ``pids``: moto, the agent, then the run's other processes."""
+    ``pids``: the S3 server, the agent, then the run's other processes."""
     client = AgentClient(agent.endpoint)
     namespace = f"lat-{persistence.replace(' ', '-').replace('+', 'and')}"
     try:
@@ -917,10 +921,11 @@ def main(argv: list[str] | None = None) -> int:
     servers: list[Server] = []
     s3_server: S3Server | None = None
     try:
-        s3_server = start_s3(args.s3, workdir, args.startup_timeout)
         # Every S3 client here and in the children (serve and its agents, the load process) signs
-        # with these: SeaweedFS's, which it enforces; for moto dummy ones (it checks no signature,
-        # but botocore sends nothing unsigned).
+        # with the S3 server's credentials: SeaweedFS's, which it enforces; for moto dummy ones (it
+        # checks no signature, but botocore sends nothing unsigned).
+        os.environ.update(CREDENTIALS)
+        s3_server = start_s3(args.s3, workdir, args.startup_timeout)
         os.environ.update(s3_server.credentials)
         ours = start_ours(workdir, shm_root, s3_server.endpoint)
         servers.append(ours)
