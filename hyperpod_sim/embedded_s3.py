@@ -637,6 +637,7 @@ def _wait_ready(
                 last = f"{error.get('Code')}: {error.get('Message')}"
             except BotoCoreError as exc:
                 last = str(exc)
+            log.debug("the embedded S3 is not ready yet: %s", last)
             if time.monotonic() >= deadline:
                 raise EmbeddedS3Error(
                     f"the embedded S3 (SeaweedFS, pid {weed.pid}) was not ready at {endpoint_url} within "

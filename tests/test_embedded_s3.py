@@ -53,9 +53,11 @@ def client(s3: EmbeddedS3, access_key: str | None = None, secret_key: str | None
     )
 
 
-@pytest.fixture
-def seaweed(tmp_path: Path) -> Iterator[EmbeddedS3]:
-    with start_seaweedfs_s3(settings_for(tmp_path / "data"), data_dir=tmp_path / "data") as s3:
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedS3]:
+    """One SeaweedFS for the tests that only talk to it (each start and stop takes 2-4 s)."""
+    data_dir = tmp_path_factory.mktemp("shared") / "data"
+    with start_seaweedfs_s3(settings_for(data_dir), data_dir=data_dir) as s3:
         yield s3
 
 
