@@ -413,7 +413,7 @@ class _Weed:
         if not self._wait(STOP_TIMEOUT_S):
             log.warning("SeaweedFS (pid %d) did not stop within %.0f s; killed", self.pid, STOP_TIMEOUT_S)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.pid, getattr(signal, "SIGKILL", signal.SIGTERM))  # Windows has none
             self._wait(STOP_TIMEOUT_S)
         with contextlib.suppress(FileNotFoundError):
             self.pid_file.unlink()
