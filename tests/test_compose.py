@@ -109,7 +109,7 @@ def test_control_plane_environment_parses(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setenv(key, str(value))
     settings = Settings()
     assert settings.s3.endpoint_url == "http://minio:9000"
-    assert settings.s3.embedded is False
+    assert settings.s3.embedded == "off"
     assert settings.provisioning.mode == "external"
 
 

@@ -6,6 +6,7 @@ the events agents record, and the window in which a draining agent is still hear
 from __future__ import annotations
 
 import asyncio
+import configparser
 import json
 import os
 import re
@@ -25,11 +26,12 @@ from agents.control_plane import ControlPlaneClient
 from agents.loop import AgentLoop, Backoff, Identity
 from agents.state import AgentState
 from domain.provisioning import find_agent_pids
-from hyperpod_sim.embedded_s3 import DUMMY_CREDENTIALS, agent_credentials, start_embedded_s3
+from hyperpod_sim.embedded_s3 import DUMMY_CREDENTIALS, agent_credentials, start_moto_s3
 from hyperpod_sim.settings import S3Settings
 from tests.conftest import (
     EKS,
     ControlPlane,
+    embedded_s3_port,
     free_port,
     group,
     kill_processes_under,
@@ -58,13 +60,15 @@ S3_TIER = {
 LINGERING_AGENT = [sys.executable, str(Path(__file__).resolve().parent / "lingering_agent.py"), "agent"]
 
 
-def s3_client(endpoint_url: str, region: str = "us-east-1") -> Any:
+def s3_client(
+    endpoint_url: str, region: str = "us-east-1", access_key: str = "testing", secret_key: str = "testing"
+) -> Any:
     return boto3.client(
         "s3",
         endpoint_url=endpoint_url,
         region_name=region,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
         config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
     )
 
@@ -105,8 +109,8 @@ def in_service(plane: ControlPlane, sm: Any, name: str, count: int = 2, **extra:
 # ------------------------------------------------------------------------------ embedded S3
 
 
-def test_embedded_s3_serves_its_bucket_until_stopped() -> None:
-    with start_embedded_s3(S3Settings(bucket="hpsim-embedded-test")) as s3:
+def test_embedded_moto_serves_its_bucket_until_stopped() -> None:
+    with start_moto_s3(S3Settings(bucket="hpsim-embedded-test")) as s3:
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+", s3.endpoint_url), s3.endpoint_url
         client = s3_client(s3.endpoint_url)
         client.put_object(Bucket="hpsim-embedded-test", Key="step/1", Body=b"shard")
@@ -115,13 +119,13 @@ def test_embedded_s3_serves_its_bucket_until_stopped() -> None:
         httpx.get(s3.endpoint_url, timeout=5)
 
 
-def test_embedded_s3_creates_the_bucket_in_its_region() -> None:
-    with start_embedded_s3(S3Settings(bucket="hpsim-embedded-eu", region="eu-west-1")) as s3:
+def test_embedded_moto_creates_the_bucket_in_its_region() -> None:
+    with start_moto_s3(S3Settings(bucket="hpsim-embedded-eu", region="eu-west-1")) as s3:
         location = s3_client(s3.endpoint_url, "eu-west-1").get_bucket_location(Bucket="hpsim-embedded-eu")
         assert location["LocationConstraint"] == "eu-west-1"
 
 
-def test_agents_get_dummy_credentials_only_without_credentials_of_their_own() -> None:
+def test_agents_of_moto_get_dummy_credentials_only_without_credentials_of_their_own() -> None:
     assert (
         agent_credentials({})
         == DUMMY_CREDENTIALS
@@ -135,7 +139,10 @@ def test_agents_get_dummy_credentials_only_without_credentials_of_their_own() ->
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_serve_starts_an_embedded_s3_endpoint_for_its_agents(database_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["seaweedfs", "moto"])
+def test_serve_starts_an_embedded_s3_endpoint_for_its_agents(
+    database_url: str, tmp_path: Path, kind: str
+) -> None:
     port = free_port()
     env = {
         key: value
@@ -147,7 +154,10 @@ def test_serve_starts_an_embedded_s3_endpoint_for_its_agents(database_url: str, 
         HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S="0.2",
         HPSIM_RECONCILER__INTERVAL_S="0.2",
         HPSIM_SIMULATION__SHM_ROOT=str(shm_root_for(tmp_path)),
+        HPSIM_S3__EMBEDDED_PORT=str(embedded_s3_port(tmp_path / "data")),
     )
+    if kind == "moto":
+        env["HPSIM_S3__EMBEDDED"] = "moto"  # the default is seaweedfs
     argv = [sys.executable, "-m", "hyperpod_sim", "serve", "--port", str(port)]
     argv += ["--database-url", database_url, "--data-dir", str(tmp_path / "data")]
     with open(tmp_path / "serve.log", "wb") as log:
@@ -155,12 +165,24 @@ def test_serve_starts_an_embedded_s3_endpoint_for_its_agents(database_url: str, 
     try:
         assert serve.stdout is not None
         first = serve.stdout.readline().decode().strip()
-        found = re.fullmatch(
-            r"embedded S3 \(moto, not durable\) at (http://127\.0\.0\.1:\d+), bucket hpsim-checkpoints", first
-        )
+        if kind == "moto":
+            found = re.fullmatch(
+                r"embedded S3 \(moto, not durable\) at (http://127\.0\.0\.1:\d+), bucket hpsim-checkpoints",
+                first,
+            )
+            credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        else:
+            credentials_file = tmp_path / "data" / "s3-credentials"
+            found = re.fullmatch(
+                r"embedded S3 \(SeaweedFS, durable\) at (http://127\.0\.0\.1:\d+), bucket "
+                rf"hpsim-checkpoints, credentials in {re.escape(str(credentials_file))}",
+                first,
+            )
+            credentials = credentials_in(credentials_file)
         assert found, (first, (tmp_path / "serve.log").read_text())
         endpoint = found.group(1)
-        assert "hpsim-checkpoints" in {b["Name"] for b in s3_client(endpoint).list_buckets()["Buckets"]}
+        client = s3_client(endpoint, **credentials_kwargs(credentials))
+        assert "hpsim-checkpoints" in {b["Name"] for b in client.list_buckets()["Buckets"]}
 
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _answers(f"{url}/health"), timeout=60, what="the control plane to answer")
@@ -188,17 +210,18 @@ def test_serve_starts_an_embedded_s3_endpoint_for_its_agents(database_url: str, 
         assert applied["generation"] == 2
         assert applied["s3"]["endpoint_url"] == endpoint
         assert applied["s3"]["region"] == "us-east-1"
-        # The agents can sign requests to it: the local provisioner gave them dummy credentials.
+        # The agents can sign requests to it: the local provisioner gave them its credentials.
         pids = find_agent_pids(node["InstanceId"])
         assert pids
         environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
-        assert b"AWS_ACCESS_KEY_ID=testing" in environ
-        assert b"AWS_SECRET_ACCESS_KEY=testing" in environ
+        for name, value in credentials.items():
+            assert f"{name}={value}".encode() in environ
 
         serve.terminate()
-        # uvicorn shuts down, then re-raises the SIGTERM it caught: the exit is the signal's.
-        assert serve.wait(timeout=30) in (0, -signal.SIGTERM)
-        # Not durable: the endpoint, and what it held, went with the control plane.
+        # uvicorn shuts down, then re-raises the SIGTERM it caught: serve stops the embedded S3 and
+        # exits with 128 + SIGTERM.
+        assert serve.wait(timeout=60) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+        # The endpoint stopped with the control plane (SeaweedFS keeps what it held on disk).
         with pytest.raises(httpx.ConnectError):
             httpx.get(endpoint, timeout=5)
     finally:
@@ -206,6 +229,23 @@ def test_serve_starts_an_embedded_s3_endpoint_for_its_agents(database_url: str, 
             serve.kill()
             serve.wait(timeout=30)
         kill_processes_under(tmp_path)
+
+
+def credentials_in(path: Path) -> dict[str, str]:
+    """The embedded SeaweedFS's credentials, from its AWS shared credentials file."""
+    parser = configparser.ConfigParser()
+    parser.read(path)
+    return {
+        "AWS_ACCESS_KEY_ID": parser["default"]["aws_access_key_id"],
+        "AWS_SECRET_ACCESS_KEY": parser["default"]["aws_secret_access_key"],
+    }
+
+
+def credentials_kwargs(credentials: dict[str, str]) -> dict[str, str]:
+    return {
+        "access_key": credentials["AWS_ACCESS_KEY_ID"],
+        "secret_key": credentials["AWS_SECRET_ACCESS_KEY"],
+    }
 
 
 def _answers(url: str) -> bool:
