@@ -319,6 +319,9 @@ def test_the_library_loads_from_the_embedded_s3_what_the_agents_persisted_after_
 
         second = ServerProcess(database_url, tmp_path, env, port=first.port).start()
         try:
+            # A graceful stop drains: each agent persisted its newest complete step first, and the
+            # embedded S3 kept it across the restart.
+            assert committed() == ["lib/libjob/_committed/step_2.json", "lib/libjob/_committed/step_3.json"]
             nowhere = f"http://127.0.0.1:{free_port()}"  # no agent listens: the in-memory tier is empty
             reader_env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
             reader_env.update(
@@ -327,9 +330,9 @@ def test_the_library_loads_from_the_embedded_s3_what_the_agents_persisted_after_
                 AWS_ENDPOINT_URL=endpoint,
                 AWS_DEFAULT_REGION="us-east-1",
             )
-            extra = ("--s3-base", f"s3://{BUCKET}/lib", "--expect-step", "2")
+            extra = ("--s3-base", f"s3://{BUCKET}/lib", "--expect-step", "3")
             loaded = run_job(tmp_path, [nowhere], 2, "libjob", "", extra=extra, env=reader_env)
-            assert all(r["equal"] and r["loaded_step"] == 2 for r in loaded), loaded
+            assert all(r["equal"] and r["loaded_step"] == 3 for r in loaded), loaded
         finally:
             second.stop()
     finally:
