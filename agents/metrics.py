@@ -125,6 +125,18 @@ def tier_metrics(tier: MemoryTier) -> list[Metric]:
             value=store.shard_count,
         ),
         Metric(
+            name="hpsim_tier_spare_bytes",
+            kind="gauge",
+            help="Bytes of spare files kept for ranks' next saves (counted in hpsim_tier_bytes_held).",
+            value=store.spare_bytes,
+        ),
+        Metric(
+            name="hpsim_tier_spares",
+            kind="gauge",
+            help="Spare files kept for ranks' next saves, allocated and faulted in.",
+            value=len(store.spares()),
+        ),
+        Metric(
             name="hpsim_tier_evictions_total",
             kind="counter",
             help="Shards evicted (budget or retention).",
