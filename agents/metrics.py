@@ -109,7 +109,7 @@ def tier_metrics(tier: MemoryTier) -> list[Metric]:
         Metric(
             name="hpsim_tier_bytes_held",
             kind="gauge",
-            help="Bytes of shards held (own and replicas).",
+            help="Bytes held: shards (own and replicas), reservations in flight and spares.",
             value=store.in_use_bytes,
         ),
         Metric(

@@ -3,9 +3,11 @@ fast path (docs/sdk.md).
 
 Fast path: the agent reserves room for a shard as a file in its shared memory and answers the
 file's path; the trainer maps it, copies its tensors straight in and asks the agent to commit
-(the agent hashes and publishes it). The agent reuses the file of a retired step for the next
-save of the same rank and names it by a buffer id, so the trainer keeps its mapping per buffer id
-and, once the rotation has gone round, writes into pages that are already mapped. Reads map the
+(the agent hashes and publishes it). The agent hands each rank's saves files of its rotation
+(spares it prepared after the rank's first save, prefaulted, and files of retired steps), named by
+buffer ids; the commit's answer names the rank's spares and the client maps them ahead, so the
+trainer keeps its mappings per buffer id and from the second save on writes into pages that are
+already mapped. Reads map the
 agent's copy read-only and verify its checksum. When the agent's files cannot be opened (another
 host, another container), everything goes over HTTP.
 
