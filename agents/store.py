@@ -866,7 +866,14 @@ class ShardStore:
         if spare is not None:
             try:
                 os.replace(spare.path, temp)
-                fd = os.open(temp, os.O_RDWR)
+                # A spare lies in a directory its trainers can write: what is there now is used
+                # only if it is still a plain file of one name (not a link, FIFO or alias).
+                fd = os.open(temp, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+                stat = os.fstat(fd)
+                if not S_ISREG(stat.st_mode) or stat.st_nlink != 1:
+                    os.close(fd)
+                    fd = -1
+                    raise OSError(errno.EINVAL, "not a plain file")
             except OSError:
                 spare.path.unlink(missing_ok=True)
                 temp.unlink(missing_ok=True)

@@ -152,3 +152,23 @@ def test_an_agent_prepares_spares_after_a_save_and_keeps_retained_bytes(
             assert response.content == written[held]
     assert len(set(buffers)) == 4  # four files went round
     assert metric(a, "hpsim_tier_bytes_held") <= metric(a, "hpsim_tier_budget_bytes")
+
+
+def test_a_spare_swapped_for_a_link_is_not_followed(tmp_path: Path, clock: StepClock) -> None:
+    """A trainer of the agent's user can write the rank's directory: a spare replaced by a link
+    to another file must not make the agent size or hand out that file."""
+    store = ShardStore(tmp_path / "node", budget_bytes=MiB, clock=clock)
+    save(store, 1, b"\x01" * 64 * KiB, keep=3)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep me")
+    for spare in store.spares("job"):
+        spare.path.unlink()
+        spare.path.symlink_to(outside)
+    reservation = store.reserve(ShardKey("job", 0, 2), 64 * KiB)
+    assert not reservation.path.is_symlink()
+    assert outside.read_bytes() == b"keep me"
+    with reservation.buffer() as view:
+        view[:] = b"\x02" * 64 * KiB
+    reservation.commit(checksum=checksum_of(b"\x02" * 64 * KiB))
+    assert read(store, ShardKey("job", 0, 2)) == b"\x02" * 64 * KiB
+    assert outside.read_bytes() == b"keep me"
