@@ -109,7 +109,7 @@ def tier_metrics(tier: MemoryTier) -> list[Metric]:
         Metric(
             name="hpsim_tier_bytes_held",
             kind="gauge",
-            help="Bytes of shards held (own and replicas).",
+            help="Bytes held: shards (own and replicas), reservations in flight and spares.",
             value=store.in_use_bytes,
         ),
         Metric(
@@ -123,6 +123,18 @@ def tier_metrics(tier: MemoryTier) -> list[Metric]:
             kind="gauge",
             help="Shards held (own and replicas).",
             value=store.shard_count,
+        ),
+        Metric(
+            name="hpsim_tier_spare_bytes",
+            kind="gauge",
+            help="Bytes of spare files kept for ranks' next saves (counted in hpsim_tier_bytes_held).",
+            value=store.spare_bytes,
+        ),
+        Metric(
+            name="hpsim_tier_spares",
+            kind="gauge",
+            help="Spare files kept for ranks' next saves, allocated and faulted in.",
+            value=len(store.spares()),
         ),
         Metric(
             name="hpsim_tier_evictions_total",

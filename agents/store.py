@@ -8,6 +8,7 @@ Layout on disk::
 
     root/<ns>/<rank>/<step>.shard    the shard's raw bytes and nothing else (trainers may mmap it)
     root/<ns>/<rank>/<step>.meta     JSON sidecar: {"version": 1, "current": R, "previous": R | null}
+    root/<ns>/<rank>/.<id>.spare     a spare: a retired or prepared file, prefaulted, for the next save
     root/<ns>/<rank>/.<...>.tmp      a write in progress (data or sidecar); removed at startup
 
 ``<ns>`` is ``quote(namespace, safe="")`` with ``.`` also escaped (``%2E``), so a namespace holding
@@ -48,6 +49,15 @@ both copies until it commits). ``reserve`` makes room by evicting whole steps (e
 one ``(namespace, step)``), oldest first by the step's newest ``committed_at``, skipping protected
 steps, the new shard's own step and any step with a reservation in flight; it plans the evictions
 first and evicts nothing unless the plan makes the shard fit.
+
+Spares (the rotation of a rank's buffers): a primary shard that ages out of retention leaves its
+file as a spare of its ``(namespace, rank)`` instead of being deleted, unless a reader here holds it;
+``prepare_spares`` also makes new ones in advance, of the rank's last reserved size, allocated and
+faulted in (``posix_fallocate`` then a populating mapping), so that a rank holds up to its
+retention + 1 files from its first save on and no later save allocates or first-touches memory. A
+spare is named by its buffer id and found again at startup. Spares count in the budget, are never
+made past it, and are dropped (as few as needed) before any step is evicted for a reservation. A
+file is a spare only when no committed shard uses it: a retained step's bytes are never handed out.
 
 Threading: an index guarded by one lock; hashing (at commit and at read) runs outside it, so worker
 threads can verify big shards while the event loop keeps using the store. ``protect`` callbacks run
@@ -343,12 +353,43 @@ def _write_sidecar(path: Path, *, current: _Record, previous: _Record | None) ->
 
 
 @dataclass(frozen=True)
-class _Spare:
-    """The file of a retired shard, kept (and counted in the budget) for reuse."""
+class SpareInfo:
+    """A file kept (and counted in the budget) for the next reservation of its namespace and rank:
+    a retired shard's or one prepared in advance, already allocated and faulted in."""
 
+    namespace: str
+    rank: int
     path: Path
     size: int
     buffer_id: str
+
+
+_Spare = SpareInfo
+SPARE_SUFFIX = ".spare"
+
+
+def _spare_name(buffer_id: str) -> str:
+    return f".{buffer_id}{SPARE_SUFFIX}"
+
+
+def _spare_id(name: str) -> str | None:
+    """The buffer id a spare's file name holds, or None if it is not a spare's name."""
+    if not (name.startswith(".") and name.endswith(SPARE_SUFFIX)):
+        return None
+    buffer_id = name[1 : -len(SPARE_SUFFIX)]
+    valid = len(buffer_id) == 32 and all(c in "0123456789abcdef" for c in buffer_id)
+    return buffer_id if valid else None
+
+
+@dataclass
+class _Preparing:
+    """A spare being made (outside the lock): its bytes count in the budget until it is a spare,
+    or until a reservation that needs the room cancels it."""
+
+    namespace: str
+    rank: int
+    size: int
+    cancelled: bool = False
 
 
 @dataclass(frozen=True)
@@ -387,6 +428,7 @@ class Reservation:
         self._store = store
         self._key = key
         self._size = size
+        self._reserved_size = size  # as asked for; ``_size`` shrinks to what is committed
         self._temp_path = temp_path
         self._buffer_id = buffer_id
         self._mapping: mmap.mmap | None = None
@@ -543,6 +585,26 @@ class Reservation:
             raise RuntimeError(f"the reservation for {self._key} is already {self._state}")
 
 
+def _prefault(fd: int, size: int, *, start: int = 0) -> None:
+    """Size ``fd`` to ``size`` bytes, allocate its pages from ``start`` on and fault them in (a
+    populating read mapping zeroes tmpfs pages that fallocate only reserved), so that whoever
+    maps it next finds every page in place. OSError (ENOSPC) if the memory cannot be had."""
+    os.ftruncate(fd, size)
+    if size <= start:
+        return
+    _preallocate(fd, size, start=start)
+    page = mmap.ALLOCATIONGRANULARITY
+    offset = start - start % page
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    mapping = mmap.mmap(
+        fd, size - offset, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ, offset=offset
+    )
+    if not populate:  # not Linux: touch a byte of every page
+        for position in range(0, size - offset, page):
+            mapping[position]
+    mapping.close()
+
+
 def _preallocate(fd: int, size: int, *, start: int = 0) -> None:
     try:
         os.posix_fallocate(fd, start, size - start)
@@ -572,9 +634,14 @@ class ShardStore:
         self._committed_bytes = 0
         self._reserved_bytes = 0
         self._reservations: set[Reservation] = set()
-        # Files of retired primary shards kept for the next reservation of their (namespace, rank).
-        self._spares: dict[tuple[str, int], _Spare] = {}
+        # Files kept for the next reservations of their (namespace, rank), oldest first: retired
+        # primary shards and files prepared in advance (``prepare_spares``).
+        self._spares: dict[tuple[str, int], list[_Spare]] = {}
         self._spare_bytes = 0
+        self._preparing: list[_Preparing] = []
+        self._preparing_bytes = 0
+        # (namespace, rank) -> the size of its last primary reservation: what spares are made for.
+        self._rank_sizes: dict[tuple[str, int], int] = {}
         # inode -> readers in this process (replication, S3 uploads, responses): not recycled.
         self._pins: dict[int, int] = {}
         self._counters = StoreCounters()
@@ -605,6 +672,22 @@ class ShardStore:
         with self._lock:
             return len(self._index)
 
+    def spares(self, namespace: str | None = None) -> list[SpareInfo]:
+        """The spare files held (of one namespace, or all), by namespace and rank, oldest first."""
+        with self._lock:
+            return [
+                spare
+                for where in sorted(self._spares)
+                for spare in self._spares[where]
+                if namespace is None or where[0] == namespace
+            ]
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of spare files (counted in ``in_use_bytes``), those being prepared included."""
+        with self._lock:
+            return self._spare_bytes + self._preparing_bytes
+
     @property
     def counters(self) -> StoreCounters:
         """A snapshot of the counters."""
@@ -623,6 +706,7 @@ class ShardStore:
             raise ValueError(f"budget_bytes must not be negative (got {budget_bytes})")
         with self._lock:
             self._budget = budget_bytes
+            self._free_spares_locked(0)
             if self._in_use_locked() <= budget_bytes:
                 return []
         protected = frozenset(protect())
@@ -657,17 +741,14 @@ class ShardStore:
     ) -> tuple[Reservation, int]:
         with self._lock:
             self._check_can_ever_fit(size)
-            spare = self._spares.pop((key.namespace, key.rank), None)
-            if spare is not None:
-                self._spare_bytes -= spare.size
-            if self._in_use_locked() + size > self._budget:
-                self._drop_spares_locked()
+            spare = self._take_spare_locked(key, size)
+            self._free_spares_locked(size)
             if self._in_use_locked() + size <= self._budget:
                 return self._open_locked(key, size, spare)
         protected = frozenset(protect())
         with self._lock:
             self._check_can_ever_fit(size)
-            self._drop_spares_locked()
+            self._free_spares_locked(size)
             in_use = self._in_use_locked()
             excess = in_use + size - self._budget
             if excess > 0:
@@ -675,6 +756,8 @@ class ShardStore:
                     excess=excess, exclude=protected | {(key.namespace, key.step)}
                 )
                 if freed < excess:
+                    if spare is not None:
+                        spare.path.unlink(missing_ok=True)
                     raise BudgetExceeded(
                         needed=size,
                         budget=self._budget,
@@ -708,7 +791,38 @@ class ShardStore:
             )
 
     def _in_use_locked(self) -> int:
-        return self._committed_bytes + self._reserved_bytes + self._spare_bytes
+        return self._committed_bytes + self._reserved_bytes + self._spare_bytes + self._preparing_bytes
+
+    def _take_spare_locked(self, key: ShardKey, size: int) -> _Spare | None:
+        """A spare of ``key``'s namespace and rank for a reservation of ``size`` bytes (one that
+        needs no growth if there is one), no longer counted as a spare; None if it has none."""
+        where = (key.namespace, key.rank)
+        spares = self._spares.get(where)
+        if not spares:
+            return None
+        spare = next((s for s in spares if s.size >= size), spares[0])
+        spares.remove(spare)
+        if not spares:
+            del self._spares[where]
+        self._spare_bytes -= spare.size
+        return spare
+
+    def _free_spares_locked(self, size: int) -> None:
+        """Drop spares, and cancel spares being prepared, until ``size`` more bytes fit in the
+        budget (or none is left): the room a real shard needs comes before any spare."""
+        while self._in_use_locked() + size > self._budget:
+            preparing = next((p for p in self._preparing if not p.cancelled), None)
+            if preparing is not None:
+                preparing.cancelled = True
+                self._preparing_bytes -= preparing.size
+                continue
+            where = next(iter(self._spares), None)
+            if where is None:
+                return
+            spares = self._spares[where]
+            self._drop_spare_locked(spares.pop(0))
+            if not spares:
+                del self._spares[where]
 
     def _plan_locked(self, *, excess: int, exclude: AbstractSet[StepId]) -> tuple[list[StepId], int]:
         """Steps to evict, oldest first, until ``excess`` bytes are freed (or none are left); bytes freed."""
@@ -730,11 +844,13 @@ class ShardStore:
             freed += sizes[step]
         return plan, freed
 
-    def _evict_locked(self, steps: Iterable[StepId], *, recycle: bool = False) -> list[ShardKey]:
+    def _evict_locked(self, steps: Iterable[StepId], *, recycle_files: int = 0) -> list[ShardKey]:
+        """Remove whole steps; with ``recycle_files``, keep their primary files as spares (up to
+        that many files per rank)."""
         doomed = set(steps)
         keys = sorted(key for key in self._index if (key.namespace, key.step) in doomed)
         for key in keys:
-            if not (recycle and self._retire_locked(key)):
+            if not (recycle_files and self._retire_locked(key, files=recycle_files)):
                 self._remove_locked(key)
         self._counters.evictions_total += len(keys)
         return keys
@@ -750,7 +866,14 @@ class ShardStore:
         if spare is not None:
             try:
                 os.replace(spare.path, temp)
-                fd = os.open(temp, os.O_RDWR)
+                # A spare lies in a directory its trainers can write: what is there now is used
+                # only if it is still a plain file of one name (not a link, FIFO or alias).
+                fd = os.open(temp, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+                stat = os.fstat(fd)
+                if not S_ISREG(stat.st_mode) or stat.st_nlink != 1:
+                    os.close(fd)
+                    fd = -1
+                    raise OSError(errno.EINVAL, "not a plain file")
             except OSError:
                 spare.path.unlink(missing_ok=True)
                 temp.unlink(missing_ok=True)
@@ -790,6 +913,8 @@ class ShardStore:
             self._index[key] = entry
             self._committed_bytes += record.size
             self._counters.bytes_written_total += record.size
+            if replica_of is None:
+                self._rank_sizes[(key.namespace, key.rank)] = reservation._reserved_size
             return entry.info
 
     def _release(self, reservation: Reservation) -> None:
@@ -986,20 +1111,21 @@ class ShardStore:
                 for step in self._older_steps_locked(namespace, keep_steps)
                 if (namespace, step) not in protected and (namespace, step) not in busy
             ]
-            return self._evict_locked(doomed, recycle=True)
+            return self._evict_locked(doomed, recycle_files=keep_steps + 1)
 
     def _older_steps_locked(self, namespace: str, keep_steps: int) -> list[int]:
         steps = sorted({key.step for key in self._index if key.namespace == namespace}, reverse=True)
         return steps[keep_steps:]
 
-    def _retire_locked(self, key: ShardKey) -> bool:
+    def _retire_locked(self, key: ShardKey, *, files: int) -> bool:
         """Keep a primary shard's file as its (namespace, rank)'s spare instead of deleting it:
-        the next save of that rank reuses its memory. False (nothing done) for a replica or a
-        file that a reader here holds."""
+        the next save of that rank reuses its memory. The rank keeps at most ``files`` files
+        (the oldest spares go first). False (nothing done) for a replica or a file that a reader
+        here holds."""
         entry = self._index.get(key)
         if entry is None or entry.info.replica_of is not None or self._pins.get(entry.inode):
             return False
-        spare_path = entry.info.path.with_name(f".spare.{entry.buffer_id}{TEMP_SUFFIX}")
+        spare_path = entry.info.path.with_name(_spare_name(entry.buffer_id))
         try:
             os.replace(entry.info.path, spare_path)
         except OSError:
@@ -1007,20 +1133,138 @@ class ShardStore:
         del self._index[key]
         self._committed_bytes -= entry.info.size
         entry.info.path.with_suffix(META_SUFFIX).unlink(missing_ok=True)
-        old = self._spares.pop((key.namespace, key.rank), None)
-        if old is not None:
-            self._spare_bytes -= old.size
-            old.path.unlink(missing_ok=True)
-        self._spares[(key.namespace, key.rank)] = _Spare(spare_path, entry.info.size, entry.buffer_id)
+        where = (key.namespace, key.rank)
+        spares = self._spares.setdefault(where, [])
+        spares.append(_Spare(key.namespace, key.rank, spare_path, entry.info.size, entry.buffer_id))
         self._spare_bytes += entry.info.size
+        while spares and self._files_of_locked(*where) > max(files, 1):
+            self._drop_spare_locked(spares.pop(0))
+        if not spares:
+            del self._spares[where]
         return True
 
     def _drop_spares_locked(self, namespace: str | None = None) -> None:
+        """Drop the spares of a namespace (or all), and cancel those being prepared."""
         for where in [w for w in self._spares if namespace is None or w[0] == namespace]:
-            spare = self._spares.pop(where)
-            self._spare_bytes -= spare.size
-            spare.path.unlink(missing_ok=True)
-            _prune_empty_dirs(spare.path.parent, stop=self._root)
+            for spare in self._spares.pop(where):
+                self._drop_spare_locked(spare)
+        for preparing in self._preparing:
+            if not preparing.cancelled and (namespace is None or preparing.namespace == namespace):
+                preparing.cancelled = True
+                self._preparing_bytes -= preparing.size
+        for where in [w for w in self._rank_sizes if namespace is None or w[0] == namespace]:
+            del self._rank_sizes[where]
+
+    def _drop_spare_locked(self, spare: _Spare) -> None:
+        self._spare_bytes -= spare.size
+        spare.path.unlink(missing_ok=True)
+        _prune_empty_dirs(spare.path.parent, stop=self._root)
+
+    def _files_of_locked(self, namespace: str, rank: int) -> int:
+        """Files a rank holds: its primary shards, its reservations in flight, its spares (made
+        or being made)."""
+        where = (namespace, rank)
+        return (
+            sum(
+                1
+                for key, entry in self._index.items()
+                if (key.namespace, key.rank) == (namespace, rank) and entry.info.replica_of is None
+            )
+            + sum(1 for r in self._reservations if (r.key.namespace, r.key.rank) == (namespace, rank))
+            + len(self._spares.get((namespace, rank), ()))
+            + sum(1 for p in self._preparing if not p.cancelled and (p.namespace, p.rank) == where)
+        )
+
+    def prepare_spares(self, namespace: str, rank: int, *, files: int) -> int:
+        """Make the rank hold ``files`` files (its shards, reservations and spares together): new
+        spares of the rank's last reserved size, allocated and faulted in here, and spares smaller
+        than that grown to it, so that its next reservations get memory already in place. Only
+        within the budget (each one must fit, counted in it from the start; a reservation that
+        needs the room cancels it). Slow (it touches every page): call it from a worker thread,
+        off any request's path. Returns the spares made."""
+        where = (namespace, rank)
+        with self._lock:
+            size = self._rank_sizes.get(where, 0)
+            if size <= 0:
+                return 0
+            self._grow_spares_locked(where, size)
+            missing = files - self._files_of_locked(namespace, rank)
+        made = 0
+        for _ in range(max(0, missing)):
+            with self._lock:
+                if self._in_use_locked() + size > self._budget:
+                    break
+                preparing = _Preparing(namespace, rank, size)
+                self._preparing.append(preparing)
+                self._preparing_bytes += size
+                try:
+                    directory = self._ready_shard_dir(ShardKey(namespace, rank, 0))
+                except BaseException:
+                    self._end_preparing_locked(preparing)
+                    raise
+            spare = self._make_spare(preparing, directory)
+            if spare is None:
+                break
+            made += 1
+        return made
+
+    def _make_spare(self, preparing: _Preparing, directory: Path) -> _Spare | None:
+        """The file of ``preparing``, allocated and faulted in, registered as a spare; None (and
+        nothing left behind) if it was cancelled meanwhile or the memory could not be had."""
+        buffer_id = uuid.uuid4().hex
+        temp = directory / f".spare.{buffer_id}{TEMP_SUFFIX}"
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+            try:
+                _prefault(fd, preparing.size)
+            finally:
+                os.close(fd)
+        except OSError:
+            temp.unlink(missing_ok=True)
+            with self._lock:
+                self._end_preparing_locked(preparing)
+                _prune_empty_dirs(directory, stop=self._root)
+            return None
+        with self._lock:
+            cancelled = preparing.cancelled
+            self._end_preparing_locked(preparing)
+            if cancelled:
+                temp.unlink(missing_ok=True)
+                _prune_empty_dirs(directory, stop=self._root)
+                return None
+            path = directory / _spare_name(buffer_id)
+            os.replace(temp, path)
+            spare = _Spare(preparing.namespace, preparing.rank, path, preparing.size, buffer_id)
+            self._spares.setdefault((preparing.namespace, preparing.rank), []).append(spare)
+            self._spare_bytes += spare.size
+            return spare
+
+    def _end_preparing_locked(self, preparing: _Preparing) -> None:
+        self._preparing.remove(preparing)
+        if not preparing.cancelled:
+            self._preparing_bytes -= preparing.size
+
+    def _grow_spares_locked(self, where: tuple[str, int], size: int) -> None:
+        """Spares of ``where`` smaller than ``size`` (a retired shard's file, cut to what it held)
+        grown to it and faulted in, when the budget has the room: a trainer maps a buffer at its
+        reserved size. Only the growth is touched, so this stays short."""
+        spares = self._spares.get(where, [])
+        for i, spare in enumerate(spares):
+            growth = size - spare.size
+            if growth <= 0 or self._in_use_locked() + growth > self._budget:
+                continue
+            try:
+                fd = os.open(spare.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+                try:
+                    if not S_ISREG(os.fstat(fd).st_mode):
+                        continue
+                    _prefault(fd, size, start=spare.size)
+                finally:
+                    os.close(fd)
+            except OSError:
+                continue
+            spares[i] = replace(spare, size=size)
+            self._spare_bytes += growth
 
     def _remove_locked(self, key: ShardKey) -> bool:
         """Drop a shard from the index and the disk (data first, then its sidecar)."""
@@ -1077,9 +1321,13 @@ class ShardStore:
 
     def _recover_rank_dir(self, namespace: str, rank: int, directory: Path) -> None:
         steps: set[int] = set()
-        for name in os.listdir(directory):
+        for name in sorted(os.listdir(directory)):
             if _is_temp_name(name):
                 (directory / name).unlink(missing_ok=True)
+                continue
+            buffer_id = _spare_id(name)
+            if buffer_id is not None:
+                self._recover_spare(namespace, rank, directory / name, buffer_id)
                 continue
             stem, dot, suffix = name.partition(".")
             step = _decimal(stem)
@@ -1087,6 +1335,25 @@ class ShardStore:
                 steps.add(step)
         for step in sorted(steps):
             self._recover_shard(ShardKey(namespace, rank, step))
+
+    def _recover_spare(self, namespace: str, rank: int, path: Path, buffer_id: str) -> None:
+        """Keep a spare found at startup (an agent that restarts keeps its rank's rotation); one
+        that is not a plain file of this store's is removed."""
+        try:
+            stat = path.lstat()
+        except FileNotFoundError:
+            return
+        if not S_ISREG(stat.st_mode) or stat.st_nlink != 1:
+            path.unlink(missing_ok=True)
+            return
+        with contextlib.suppress(OSError):
+            os.chmod(path, FILE_MODE)
+        self._spares.setdefault((namespace, rank), []).append(
+            _Spare(namespace, rank, path, stat.st_size, buffer_id)
+        )
+        self._spare_bytes += stat.st_size
+        # Spares are made at the size the rank reserves: the next ones are made alike.
+        self._rank_sizes[(namespace, rank)] = max(self._rank_sizes.get((namespace, rank), 0), stat.st_size)
 
     def _recover_shard(self, key: ShardKey) -> None:
         data_path = self._data_path(key)

@@ -487,6 +487,12 @@ class MemoryTier:
         self.store.enforce_retention(
             key.namespace, namespace.steps_retained, protect=lambda: {(key.namespace, key.step)}
         )
+        # The rank's next saves get files already allocated and faulted in: its rotation
+        # (retention + 1 files) is made now, before the save is answered (the trainer waits on
+        # it off its training thread), within the budget.
+        await asyncio.to_thread(
+            self.store.prepare_spares, key.namespace, key.rank, files=namespace.steps_retained + 1
+        )
         self.s3.on_saved(namespace, key)
         peers = self._peer_ids()
         if peers:
@@ -564,6 +570,12 @@ class MemoryTier:
                 "step": key.step,
                 "size": info.size,
                 "checksum": info.checksum,
+                # The rank's next buffers, for the trainer to map ahead (off its training thread).
+                "spares": [
+                    {"path": str(spare.path), "buffer_id": spare.buffer_id, "size": spare.size}
+                    for spare in self.store.spares(key.namespace)
+                    if spare.rank == key.rank
+                ],
             },
         )
 

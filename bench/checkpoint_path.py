@@ -14,12 +14,15 @@ For each size (MiB of tensors, in 16 tensors) it measures, in the same run on th
 * **DCP on /dev/shm**: PyTorch's ``FileSystemWriter`` / ``FileSystemReader`` on tmpfs.
 * **the library**: ``amzn-sagemaker-checkpointing``'s writer and reader against our agent (CPU).
 
-Saves repeat ``--repeats`` times into new steps and the median of the later half is reported
-(the first saves of a rank allocate the agent's buffers; later ones reuse them, as in training).
-The stall's ratio pairs each ``async_save`` with a floor copy made just before it (the median of
-those ratios): copy bandwidth on a shared machine drifts between phases of one run.
-It starts ``hyperpod-sim serve`` (SQLite, a one-node cluster with a memory budget that holds the
-state a few times over) and stops it at the end. Ratios against targets are printed last.
+Saves repeat ``--repeats`` times into new steps; full saves and loads report the median of the
+later half. The ``async_save`` stall is reported for every save: the first (the rank's first
+buffer is allocated), the warm-up (saves 2 to retention + 1, which used to allocate fresh memory
+each) and the warm ones, each as a ratio to a floor copy made just before it (copy bandwidth on a
+shared machine drifts between phases of one run). The target is judged on the WORST save after the
+first; the median of those is printed beside it. It starts ``hyperpod-sim serve`` (SQLite, a
+one-node cluster with the default checkpoint policy, so the default in-memory retention of 3, and
+a memory budget that holds the state a few times over) and stops it at the end. Ratios against
+targets are printed last.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from bench.common import (  # noqa: E402
 
 MIB = 1024 * 1024
 TENSORS = 16
+RETENTION = 3  # the default checkpoint policy's InMemoryRetention: saves 2..4 are the warm-up
 
 
 def state_dict(size_mib: int, device: str) -> dict[str, Any]:
@@ -140,8 +144,15 @@ def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) 
         ]
         if not all(torch.equal(target["model"][k], v) for k, v in state["model"].items()):
             raise RuntimeError(f"{tag}: the loaded state differs from the saved one")
-        row[f"{tag}_stall_s"] = median_tail(stalls)
-        row[f"{tag}_stall_per_floor"] = median_tail([s / f for s, f in zip(stalls, floors, strict=True)])
+        per_floor = [s / f for s, f in zip(stalls, floors, strict=True)]
+        later = per_floor[1:] or per_floor
+        row[f"{tag}_stall_s"] = statistics.median(stalls[1:] or stalls)
+        row[f"{tag}_stalls_s"] = stalls
+        row[f"{tag}_floors_s"] = floors
+        row[f"{tag}_stall_per_floor_each"] = per_floor
+        # Judged on the worst save after the first; the median of those beside it.
+        row[f"{tag}_stall_per_floor"] = max(later)
+        row[f"{tag}_stall_per_floor_median"] = statistics.median(later)
         row[f"{tag}_async_total_s"] = median_tail(totals)
         row[f"{tag}_save_s"] = median_tail(saves)
         row[f"{tag}_load_s"] = median_tail(loads)
@@ -225,9 +236,11 @@ def ratios(row: dict[str, Any]) -> list[tuple[str, float, str, bool]]:
     """(what, value, target, met) for one size."""
     out = []
     limit = 2.0 if row["device"] == "cuda" else 1.5
-    stall = row.get("fast_stall_per_floor") or row["fast_stall_s"] / row["memcpy_s"]
+    stall = row["fast_stall_per_floor"]
     what = "pinned D2H copy" if row["device"] == "cuda" else "memcpy"
-    out.append((f"async_save stall / {what}", stall, f"<= {limit}x", stall <= limit))
+    out.append(
+        (f"async_save stall / {what}, worst save after the first", stall, f"<= {limit}x", stall <= limit)
+    )
     save_speedup = row["dcp_shm_save_s"] / row["fast_save_s"]
     out.append(("DCP /dev/shm save / ours (fast path)", save_speedup, ">= 2x", save_speedup >= 2))
     load_speedup = row["dcp_shm_load_s"] / row["fast_load_s"]
@@ -241,6 +254,29 @@ def _line(row: dict[str, Any], path: str, stall: float | None, save: float | Non
         f"{row['size_mib']:>6} {row['device']:6} {path:34} {fmt(stall, '9.4f')} {fmt(save, '9.4f')} "
         f"{fmt(load, '9.4f')} {fmt(rate, '10.2f')}"
     )
+
+
+def phase(save: int) -> str:
+    """Which part of a rank's rotation save ``save`` (1-based) is, with the default retention."""
+    return "first" if save == 1 else "warm-up" if save <= RETENTION + 1 else "warm"
+
+
+def render_stalls(rows: list[dict[str, Any]]) -> str:
+    """Every async_save of the fast path and of HTTP: its floor, its stall and their ratio."""
+    lines = ["", f"{'size':>6} {'path':5} {'save':>4} {'phase':8} {'floor s':>9} {'stall s':>9} {'ratio':>7}"]
+    for row in rows:
+        for tag in ("fast", "http"):
+            stalls, floors = row[f"{tag}_stalls_s"], row[f"{tag}_floors_s"]
+            for i, (stall, floor) in enumerate(zip(stalls, floors, strict=True)):
+                lines.append(
+                    f"{row['size_mib']:>6} {tag:5} {i + 1:>4} {phase(i + 1):8} {floor:9.4f} {stall:9.4f} "
+                    f"{stall / floor:6.2f}x"
+                )
+            lines.append(
+                f"{row['size_mib']:>6} {tag:5} after the first: worst {row[f'{tag}_stall_per_floor']:.2f}x, "
+                f"median {row[f'{tag}_stall_per_floor_median']:.2f}x"
+            )
+    return "\n".join(lines)
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -281,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sizes", default="256,1024", help="MiB of tensors per state dict (comma-separated)")
     parser.add_argument(
-        "--repeats", type=int, default=6, help="saves per path; the later half is reported (buffers warm)"
+        "--repeats",
+        type=int,
+        default=6,
+        help="saves per path: every async_save's stall is reported, full saves and loads as the "
+        "median of the later half",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--skip-library", action="store_true", help="leave out amzn-sagemaker-checkpointing")
@@ -292,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="hpsim-bench-ckpt-"))
     shm_root = Path(f"/dev/shm/hpsim-bench-ckpt-{os.getpid()}")
     os.environ["HPSIM_SIMULATION__SHM_ROOT"] = str(shm_root)  # the SDK here maps only under it
-    # Budget: the instance's memory x 20 % x scale; hold the largest state ~6 times (retention,
-    # the rotation's spare, the HTTP path's namespace and the library's).
+    # Budget: the instance's memory x 20 % x scale; hold the largest state ~8 times (the fast
+    # path's rotation, retention 3 + 1, and the HTTP path's; older namespaces give way).
     scale = max(sizes) * MIB * 8 / (2048 * 1024**3 * 0.2)
     settings = {
         "HPSIM_PROVISIONING__MODE": "local",
@@ -322,10 +362,10 @@ def main(argv: list[str] | None = None) -> int:
                 TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20},
             )
             client.wait_until_in_service("bench", timeout=120)
-            client.put_checkpoint_policy("bench", InMemoryRetention=2, ReplicationFactor=0)
-            client.wait_until_in_service("bench", timeout=120)
+            # The default checkpoint policy (in-memory retention 3): what a job gets.
             agent_url = client.agent_urls("bench")[0]
         rows = [measure(args, agent_url, size, workdir) for size in sizes]
+        print(render_stalls(rows))
         print(render(rows))
         if args.json:
             target_ratios = [

@@ -152,6 +152,17 @@ def _aligned(offset: int) -> int:
     return (offset + ALIGN - 1) // ALIGN * ALIGN
 
 
+# Reservations are rounded up to this: a rank's size stays the same from step to step when its
+# non-tensor values grow by a few bytes, so the agent's spares (made at the rank's last size) and
+# this process's mappings (kept per buffer and size) fit the next save. The commit gives the rest
+# back.
+RESERVE_GRAIN = 64 << 10
+
+
+def _reserve_size(nbytes: int) -> int:
+    return -(-nbytes // RESERVE_GRAIN) * RESERVE_GRAIN
+
+
 def _plain_tensor(value: Any) -> bool:
     return type(value) is torch.Tensor or (
         isinstance(value, torch.nn.Parameter) and type(value.data) is torch.Tensor
@@ -255,7 +266,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._records = _value_records(state_dict)
         extra = sum(len(record) + ALIGN for record in self._records.values())
         rank = self.rank = _rank()
-        write = self._client.reserve(self.config.namespace, rank, self.step, _aligned(end) + extra + ALIGN)
+        write = self._client.reserve(
+            self.config.namespace, rank, self.step, _reserve_size(_aligned(end) + extra + ALIGN)
+        )
         if write is None:  # no fast path: stage into process memory, as DCP does by default
             staged_plain: dict[str, Any] = _map_tensors(state_dict, lambda t: t.detach().to("cpu", copy=True))
             self.stage_seconds = time.perf_counter() - started
@@ -325,10 +338,12 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             end = _aligned(end)
             layout.append((item, payload, end, _nbytes(payload)))
             end += _nbytes(payload)
-        write = self._client.reserve(self.config.namespace, self.rank, self.step, end)
+        write = self._client.reserve(self.config.namespace, self.rank, self.step, _reserve_size(end))
         if write is not None:
             target = (
-                torch.frombuffer(write.view, dtype=torch.uint8) if end else torch.empty(0, dtype=torch.uint8)
+                torch.frombuffer(write.view[:end], dtype=torch.uint8)
+                if end
+                else torch.empty(0, dtype=torch.uint8)
             )
             if any(isinstance(p, torch.Tensor) and p.is_cuda for _, p, _, _ in layout):
                 write.pin_for_cuda()

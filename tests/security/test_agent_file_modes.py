@@ -52,9 +52,11 @@ def test_shard_files_and_directories_are_owner_only(
             for name in files:
                 mode = stat.S_IMODE((Path(directory) / name).stat().st_mode)
                 assert mode == 0o600, (directory, name, oct(mode))
-                seen[name] = seen.get(name, 0) + 1
-    # Both ranks' shards and sidecars, on the owner and on its replica peer.
-    assert seen == {"1.shard": 4, "1.meta": 4}
+                kind = "spare" if name.endswith(".spare") else name
+                seen[kind] = seen.get(kind, 0) + 1
+    # Both ranks' shards and sidecars, on the owner and on its replica peer; on the owner, each
+    # rank's spares for its next saves (owner-only too).
+    assert seen == {"1.shard": 4, "1.meta": 4, "spare": 6}
     for agent in (a, b):
         for rank, data in shards.items():
             assert get(agent, "job", rank, 1).content == data
