@@ -33,7 +33,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -64,10 +64,13 @@ class Provisioner(Protocol):
         """Whether a ShuttingDown node's agent is gone, so that its row (and, once every node's is,
         a deleted cluster's) can go too."""
 
-    def adopt_agents(self) -> set[str] | None:
+    def adopt_agents(self, *, unregistered: Collection[str] = ()) -> set[str] | None:
         """At the control plane's start: the node ids whose agent process still runs and talks to
         this control plane (left by one that was killed), which are adopted as they are; None:
-        cannot tell (agents started elsewhere come back by themselves)."""
+        cannot tell (agents started elsewhere come back by themselves). The agents of
+        ``unregistered`` nodes (never registered) are stopped instead, to be started again: the
+        control plane that started them may have been killed before it committed their launch
+        secrets, and then they could never register."""
 
     def stop_agents(self, *, hurry: threading.Event | None = None) -> list[str]:
         """At the control plane's stop: stop every agent process it runs and wait until they have
@@ -112,7 +115,7 @@ class _NoProcesses:
     def running_agents(self) -> set[str] | None:
         return None
 
-    def adopt_agents(self) -> set[str] | None:
+    def adopt_agents(self, *, unregistered: Collection[str] = ()) -> set[str] | None:
         return None
 
     def stop_agents(self, *, hurry: threading.Event | None = None) -> list[str]:
@@ -326,13 +329,19 @@ class LocalProvisioner:
         """Whether this control plane started ``agent`` (its data dir is under this one's)."""
         return agent.data_dir is not None and agent.data_dir.parent == self.data_dir / "agents"
 
-    def adopt_agents(self) -> set[str] | None:
+    def adopt_agents(self, *, unregistered: Collection[str] = ()) -> set[str] | None:
         """Agents of this data dir that talk to another address (the control plane was killed and
-        started on another port) cannot heartbeat here: they are stopped, and started again by the
+        started on another port) cannot heartbeat here, and those of ``unregistered`` nodes may hold
+        a launch secret that was never committed: they are stopped, and started again by the
         reconciler. The others, and those of other data dirs (another control plane's, on one
         PostgreSQL database), are left as they are."""
         agents = agent_processes()
-        stale = [a for a in agents if self._own(a) and a.control_plane != self.control_plane_url]
+        restart = set(unregistered)
+        stale = [
+            a
+            for a in agents
+            if self._own(a) and (a.control_plane != self.control_plane_url or a.node_id in restart)
+        ]
         if stale:
             log.warning(
                 "stopping %d agents started for another control plane address: %s",

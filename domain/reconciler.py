@@ -591,15 +591,21 @@ class Reconciler:
         self._adopted = True
         if not self.provisioner.uses_agents:
             return
-        running = self.provisioner.adopt_agents()
-        if running is None:
-            return  # agents started elsewhere come back by themselves
         with self.db.read() as session:
             nodes = session.scalars(
                 select(Node)
                 .where(Node.status.in_([NodeStatus.PENDING, NodeStatus.RUNNING]))
                 .options(selectinload(Node.cluster))
             ).all()
+            # A node whose agent never registered may have an agent whose launch secret was never
+            # committed (the last control plane was killed between starting it and its commit):
+            # such agents are started again, with a secret of this control plane's.
+            unregistered = {
+                node.id for node in nodes if node.status == NodeStatus.PENDING and node.token_hash is None
+            }
+            running = self.provisioner.adopt_agents(unregistered=unregistered)
+            if running is None:
+                return  # agents started elsewhere come back by themselves
             # A node lost to a NodeLoss fault stays lost (the heartbeat timeout fails it), as when
             # its agent crashes (_restart_crashed_agents).
             lost = {node_id for node in nodes for node_id in faults.lost_nodes(node.cluster)}

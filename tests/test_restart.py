@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import create_engine, text
 from torch.distributed.checkpoint import save
 
 from domain.provisioning import find_agent_pids
@@ -404,9 +405,15 @@ def test_two_servers_on_one_data_dir_or_sqlite_file_refuse(database_url: str, tm
     ServerProcess(database_url, tmp_path, env).start().stop()
 
 
-def test_creating_cluster_finishes_after_restart(database_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("secret_committed", [True, False], ids=["secret-committed", "secret-lost"])
+def test_creating_cluster_finishes_after_restart(
+    database_url: str, tmp_path: Path, secret_committed: bool
+) -> None:
     """The nodes' agents start only when the test lets them (tests/gated_agent.py), after the
-    restart: the cluster is Creating across it whatever the machine's speed."""
+    restart: the cluster is Creating across it whatever the machine's speed. ``secret-lost``: the
+    server was killed after starting the agents but before it committed their launch secrets (a
+    clean-clone CI run hit that window), so they cannot register; the next server starts them
+    again with secrets of its own."""
     env = {
         "HPSIM_PROVISIONING__MODE": "local",
         "HPSIM_PROVISIONING__AGENT_COMMAND": json.dumps(GATED_AGENT),
@@ -433,6 +440,11 @@ def test_creating_cluster_finishes_after_restart(database_url: str, tmp_path: Pa
         nodes = wait_for(launched, timeout=30, what="both nodes launched, their agents waiting")
     finally:
         first.kill()
+    if not secret_committed:
+        engine = create_engine(database_url)
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE nodes SET launch_secret_hash = NULL"))
+        engine.dispose()
 
     second = ServerProcess(database_url, data_dir, env, port=first.port).start()
     try:
