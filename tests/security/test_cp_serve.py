@@ -71,8 +71,8 @@ def test_serve_refuses_a_non_loopback_address_without_credentials(tmp_path: Path
     assert not listening(port)
 
 
-def test_serve_with_credentials_says_auth_is_on(tmp_path: Path) -> None:
-    port = free_port()
+def serve_banner(tmp_path: Path, port: int, **env: str) -> str:
+    """The first line ``serve`` prints on ``port`` with ``env`` added (it is stopped afterwards)."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -85,53 +85,36 @@ def test_serve_with_credentials_says_auth_is_on(tmp_path: Path) -> None:
             str(tmp_path / "d"),
         ],
         cwd=ROOT,
-        env=serve_env(
-            tmp_path,
-            HPSIM_AUTH__CREDENTIALS=json.dumps({"AKIDONE": "s1", "AKIDTWO": "s2"}),
-            HPSIM_AUTH__ADMIN_CREDENTIALS=json.dumps({"AKIDADMIN": "s3"}),
-        ),
+        env=serve_env(tmp_path, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         assert process.stdout is not None
-        banner = process.stdout.readline()  # blocks until serve prints it (or exits)
-        assert banner == (
-            f"hyperpod-sim control plane on http://127.0.0.1:{port} (database: sqlite:///"
-            f"{(tmp_path / 'd' / 'hyperpod-sim.db').resolve()}; auth on: 2 access key(s), 1 admin)\n"
-        )
+        return process.stdout.readline()  # blocks until serve prints it (or exits)
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def test_serve_with_credentials_says_auth_is_on(tmp_path: Path) -> None:
+    port = free_port()
+    banner = serve_banner(
+        tmp_path,
+        port,
+        HPSIM_AUTH__CREDENTIALS=json.dumps({"AKIDONE": "s1", "AKIDTWO": "s2"}),
+        HPSIM_AUTH__ADMIN_CREDENTIALS=json.dumps({"AKIDADMIN": "s3"}),
+    )
+    assert banner == (
+        f"hyperpod-sim control plane on http://127.0.0.1:{port} (database: sqlite:///"
+        f"{(tmp_path / 'd' / 'hyperpod-sim.db').resolve()}; auth on: 2 access key(s), 1 admin)\n"
+    )
 
 
 def test_the_banner_says_when_auth_is_off(tmp_path: Path) -> None:
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hyperpod_sim",
-            "serve",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(tmp_path / "d"),
-        ],
-        cwd=ROOT,
-        env=serve_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        banner = process.stdout.readline()
-        assert banner.endswith("; auth off: loopback only, no credentials configured)\n"), banner
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+    banner = serve_banner(tmp_path, free_port())
+    assert banner.endswith("; auth off: loopback only, no credentials configured)\n"), banner
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
