@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ControlPlane, free_port, wait_for
+from tests.conftest import ControlPlane, free_port
+from tests.security.test_agent_access import set_access
 from tests.test_memory_tier_library import ROOT, agents, run_job
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -25,22 +26,6 @@ pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 @pytest.fixture
 def sm(agent_plane: ControlPlane) -> Any:
     return agent_plane.client()
-
-
-def set_access(plane: ControlPlane, sm: Any, name: str, urls: list[str], mode: str) -> None:
-    response = httpx.put(f"{plane.url}/clusters/{name}/checkpoint-policy", json={"AgentAccess": mode})
-    assert response.status_code == 200, response.text
-    for agent in urls:
-        wait_for(
-            lambda agent=agent: httpx.get(f"{agent}/v1/policy").json()["checkpoint_access"]["mode"] == mode,
-            timeout=60,
-            what=f"AgentAccess {mode} on {agent}",
-        )
-    wait_for(
-        lambda: sm.describe_cluster(ClusterName=name)["ClusterStatus"] == "InService",
-        timeout=60,
-        what="the rollout",
-    )
 
 
 def failing_save(tmp_path: Path, urls: list[str], world_size: int, namespace: str, step: int) -> list[str]:
