@@ -360,7 +360,7 @@ class AgentService:
             node.next_push_at = None
             node.last_error = None
             if node.status == NodeStatus.FAILURE:
-                node.status = NodeStatus.PENDING
+                events.move(session, node, NodeStatus.PENDING, ids=self.ids, now=now)
                 node.status_message = None
             events.record(
                 session,
@@ -421,14 +421,14 @@ class AgentService:
                 node.acked_generation = 0
                 wake = True
             if node.status == NodeStatus.FAILURE and node.endpoint is not None:
-                node.status = NodeStatus.PENDING
                 node.status_message = None
-                events.record(
+                events.move(
                     session,
+                    node,
+                    NodeStatus.PENDING,
                     ids=self.ids,
                     now=now,
                     cluster=cluster,
-                    node=node,
                     description="Agent is heartbeating again; the node is recovering.",
                 )
                 wake = True

@@ -10,17 +10,15 @@ semantic rules the shapes cannot express.
 
 from __future__ import annotations
 
-import base64
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from sqlalchemy import Select, bindparam, delete, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from domain import events
+from domain import cluster_rules, events
 from domain.checkpoint_policy import CheckpointPolicy, parse_policy
 from domain.clock import Clock, Ids
 from domain.errors import (
@@ -36,15 +34,11 @@ from domain.lifecycle import (
     ClusterStatus,
     GroupStatus,
     NodeStatus,
-    check_transition,
+    bump_generation,
 )
+from domain.pages import Page, paginate
 from models import Cluster, ClusterEvent, Database, InstanceGroup, Node, Tag
 
-# With Mode: Enable and no percentage given, this share of instance memory is used. The API model
-# allows 0..100; the HyperPod setup guide asks for 20..100; we default to its minimum.
-DEFAULT_MEMORY_PERCENTAGE = 20
-MIN_MEMORY_PERCENTAGE = 20
-DEFAULT_MAX_RESULTS = 100
 MAX_TAGS_PER_RESOURCE = 50
 
 # Members of a group specification that DescribeCluster returns under the same name.
@@ -74,15 +68,6 @@ class DomainConfig:
     max_clusters: int
     # One bootstrap token for every cluster (external provisioning), or None for one each.
     bootstrap_token: str | None = None
-
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Page(Generic[T]):
-    items: list[T]
-    next_token: str | None
 
 
 @dataclass(frozen=True)
@@ -125,48 +110,6 @@ _DESCRIBE_BY_NAME = _describe_statement(_CLUSTERS.c.name)
 _DESCRIBE_BY_ARN = _describe_statement(_CLUSTERS.c.arn)
 
 
-def _encode_token(offset: int, scope: str) -> str:
-    raw = json.dumps({"o": offset, "s": scope}).encode()
-    return base64.urlsafe_b64encode(raw).decode()
-
-
-def _decode_token(token: str | None, scope: str) -> int:
-    if not token:
-        return 0
-    # Tokens come back from clients: anything but the exact shape we wrote is refused, however it
-    # fails to decode (not base64, not JSON, nested deep, a float like 1e400, a huge integer).
-    try:
-        data = json.loads(base64.urlsafe_b64decode(token.encode()), parse_float=_no_float)
-        offset = data["o"]
-        if (
-            not isinstance(offset, int)
-            or isinstance(offset, bool)
-            or not 0 <= offset <= _MAX_OFFSET
-            or data["s"] != scope
-        ):
-            raise ValueError
-    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
-        raise ValidationException(
-            "Invalid NextToken: pass the NextToken of the previous page of the same request."
-        ) from exc
-    return offset
-
-
-_MAX_OFFSET = 2**31
-
-
-def _no_float(text: str) -> float:
-    raise ValueError(text)
-
-
-def _paginate(items: Sequence[T], *, max_results: int | None, token: str | None, scope: str) -> Page[T]:
-    offset = _decode_token(token, scope)
-    size = max_results or DEFAULT_MAX_RESULTS
-    page = list(items[offset : offset + size])
-    more = offset + size < len(items)
-    return Page(page, _encode_token(offset + size, scope) if more else None)
-
-
 class ClusterService:
     """Domain operations. Keyword-only arguments; raise AwsError subclasses; no HTTP."""
 
@@ -204,100 +147,17 @@ class ClusterService:
             raise ResourceNotFound(f"Cluster '{name_or_arn}' does not exist.")
         return cluster
 
-    # ------------------------------------------------------------------ semantic rules
-
-    def _check_groups(
-        self,
-        groups: list[dict[str, Any]],
-        restricted: list[dict[str, Any]],
-        existing: Sequence[str] = (),
-    ) -> None:
-        seen: set[str] = set()
-        for spec in [*groups, *restricted]:
-            name = spec["InstanceGroupName"]
-            if name in seen:
-                raise ValidationException(
-                    f"Instance group name '{name}' appears more than once; "
-                    "instance group names must be unique within a cluster."
-                )
-            seen.add(name)
-        for spec in groups:
-            has_type = "InstanceType" in spec
-            has_reqs = "InstanceRequirements" in spec
-            if has_type == has_reqs:
-                raise ValidationException(
-                    f"Instance group '{spec['InstanceGroupName']}' must specify exactly one of "
-                    "InstanceType or InstanceRequirements."
-                )
-            if spec.get("MinInstanceCount", 0) > spec["InstanceCount"]:
-                raise ValidationException(
-                    f"Instance group '{spec['InstanceGroupName']}': MinInstanceCount "
-                    f"({spec['MinInstanceCount']}) must not exceed InstanceCount ({spec['InstanceCount']})."
-                )
-
-    @staticmethod
-    def _check_orchestrator(orchestrator: dict[str, Any] | None) -> None:
-        if orchestrator is not None and len(orchestrator) != 1:
-            raise ValidationException("Orchestrator must specify exactly one of Eks or Slurm.")
-
-    @staticmethod
-    def _tiered_storage(
-        tiered: dict[str, Any] | None, orchestrator: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
-        """Check TieredStorageConfig against the orchestrator and fill in the default percentage."""
-        if tiered is None:
-            return None
-        if tiered["Mode"] == "Disable":
-            return {"Mode": "Disable"}
-        if not orchestrator or "Eks" not in orchestrator:
-            raise ValidationException(
-                "TieredStorageConfig with Mode 'Enable' requires an EKS-orchestrated cluster "
-                "(Orchestrator.Eks); managed tiered checkpointing is available only on EKS."
-            )
-        percentage = tiered.get("InstanceMemoryAllocationPercentage", DEFAULT_MEMORY_PERCENTAGE)
-        if not MIN_MEMORY_PERCENTAGE <= percentage <= 100:
-            raise ValidationException(
-                f"InstanceMemoryAllocationPercentage {percentage} is out of range: with Mode "
-                f"'Enable' it must be between {MIN_MEMORY_PERCENTAGE} and 100."
-            )
-        return {"Mode": "Enable", "InstanceMemoryAllocationPercentage": percentage}
-
-    def _check_instance_limit(self, total: int) -> None:
-        limit = self.config.max_instances_per_cluster
-        if total > limit:
-            raise ResourceLimitExceeded(
-                f"The cluster would have {total} instances, over the account limit of {limit} "
-                "instances per cluster."
-            )
-
-    @staticmethod
-    def _instance_type(spec: dict[str, Any]) -> str:
-        if "InstanceType" in spec:
-            return str(spec["InstanceType"])
-        return str(spec["InstanceRequirements"]["InstanceTypes"][0])
-
-    def _new_group(self, spec: dict[str, Any], position: int, *, restricted: bool) -> InstanceGroup:
-        return InstanceGroup(
-            name=spec["InstanceGroupName"],
-            position=position,
-            instance_type=self._instance_type(spec),
-            target_count=spec["InstanceCount"],
-            status=GroupStatus.CREATING,
-            restricted=restricted,
-            spec=spec,
-        )
-
     def _start_rollout(self, session: Session, cluster: Cluster, what: str) -> None:
         """InService -> Updating with a new policy generation, until every node applied it."""
-        cluster.status = check_transition(cluster.status, ClusterStatus.UPDATING)
-        cluster.generation += 1
+        generation = bump_generation(cluster)
         cluster.updated_time = self.clock.now()
-        events.record(
+        events.move(
             session,
+            cluster,
+            ClusterStatus.UPDATING,
             ids=self.ids,
             now=cluster.updated_time,
-            cluster=cluster,
-            description=f"{what}; policy generation {cluster.generation}.",
+            description=f"{what}; policy generation {generation}.",
         )
 
     # ------------------------------------------------------------------ operations
@@ -322,10 +182,12 @@ class ClusterService:
                 "CreateCluster needs at least one instance group (InstanceGroups or "
                 "RestrictedInstanceGroups)."
             )
-        self._check_groups(groups, restricted)
-        self._check_orchestrator(orchestrator)
-        tiered = self._tiered_storage(tiered_storage, orchestrator)
-        self._check_instance_limit(sum(g["InstanceCount"] for g in [*groups, *restricted]))
+        cluster_rules.check_groups(groups, restricted)
+        cluster_rules.check_orchestrator(orchestrator)
+        tiered = cluster_rules.tiered_storage(tiered_storage, orchestrator)
+        cluster_rules.check_instance_limit(
+            sum(g["InstanceCount"] for g in [*groups, *restricted]), self.config.max_instances_per_cluster
+        )
         now = self.clock.now()
         with self.db.write() as session:
             if session.scalar(select(func.count()).select_from(Cluster).where(Cluster.name == name)):
@@ -355,8 +217,11 @@ class ClusterService:
                 checkpoint_token=self.ids.token(),
             )
             cluster.instance_groups = [
-                self._new_group(spec, i, restricted=False) for i, spec in enumerate(groups)
-            ] + [self._new_group(spec, len(groups) + i, restricted=True) for i, spec in enumerate(restricted)]
+                cluster_rules.new_group(spec, i, restricted=False) for i, spec in enumerate(groups)
+            ] + [
+                cluster_rules.new_group(spec, len(groups) + i, restricted=True)
+                for i, spec in enumerate(restricted)
+            ]
             session.add(cluster)
             for tag in tags or []:
                 session.add(Tag(resource_arn=cluster.arn, key=tag["Key"], value=tag["Value"]))
@@ -437,9 +302,9 @@ class ClusterService:
         groups = instance_groups or []
         restricted = restricted_instance_groups or []
         to_delete = instance_groups_to_delete or []
-        self._check_groups(groups, restricted)
+        cluster_rules.check_groups(groups, restricted)
         if orchestrator is not None:
-            self._check_orchestrator(orchestrator)
+            cluster_rules.check_orchestrator(orchestrator)
         with self.db.write() as session:
             cluster = self._get(session, name, lock=True)
             if cluster.status not in MUTABLE:
@@ -447,52 +312,30 @@ class ClusterService:
                     f"Cluster '{cluster.name}' is {cluster.status}; UpdateCluster is accepted only "
                     "while the cluster is InService."
                 )
-            existing = {g.name: g for g in cluster.instance_groups}
-            for group_name in to_delete:
-                if group_name not in existing:
-                    raise ValidationException(
-                        f"InstanceGroupsToDelete names '{group_name}', which is not an instance "
-                        f"group of cluster '{cluster.name}'. Its groups are: "
-                        f"{', '.join(sorted(existing)) or 'none'}."
-                    )
-                if any(s["InstanceGroupName"] == group_name for s in [*groups, *restricted]):
-                    raise ValidationException(
-                        f"Instance group '{group_name}' is both updated and deleted in one request."
-                    )
-            for spec in [*groups, *restricted]:
-                current = existing.get(spec["InstanceGroupName"])
-                if current is not None and self._instance_type(spec) != current.instance_type:
-                    raise ValidationException(
-                        f"Instance group '{current.name}' has instance type {current.instance_type}; "
-                        f"the instance type of an existing group cannot change (requested "
-                        f"{self._instance_type(spec)})."
-                    )
-            effective_orchestrator = orchestrator if orchestrator is not None else cluster.orchestrator
-            tiered = (
-                self._tiered_storage(tiered_storage, effective_orchestrator)
-                if tiered_storage is not None
-                else cluster.tiered_storage
+            tiered = cluster_rules.check_update(
+                cluster,
+                specs=[*groups, *restricted],
+                to_delete=to_delete,
+                tiered=tiered_storage,
+                orchestrator=orchestrator,
+                max_instances=self.config.max_instances_per_cluster,
             )
-            # The instance limit counts the cluster as it will be after the update.
-            targets = {g.name: g.target_count for g in cluster.instance_groups}
-            for group_name in to_delete:
-                targets.pop(group_name)
-            for spec in [*groups, *restricted]:
-                targets[spec["InstanceGroupName"]] = spec["InstanceCount"]
-            self._check_instance_limit(sum(targets.values()))
-
+            now = self.clock.now()
+            existing = {g.name: g for g in cluster.instance_groups}
             position = max((g.position for g in cluster.instance_groups), default=-1) + 1
             for spec, is_restricted in [*[(s, False) for s in groups], *[(s, True) for s in restricted]]:
                 current = existing.get(spec["InstanceGroupName"])
                 if current is None:
-                    cluster.instance_groups.append(self._new_group(spec, position, restricted=is_restricted))
+                    cluster.instance_groups.append(
+                        cluster_rules.new_group(spec, position, restricted=is_restricted)
+                    )
                     position += 1
                 else:
                     current.spec = spec
                     current.target_count = spec["InstanceCount"]
-                    current.status = GroupStatus.UPDATING
+                    events.move(session, current, GroupStatus.UPDATING, ids=self.ids, now=now)
             for group_name in to_delete:
-                existing[group_name].status = GroupStatus.DELETING
+                events.move(session, existing[group_name], GroupStatus.DELETING, ids=self.ids, now=now)
             if node_recovery is not None:
                 cluster.node_recovery = node_recovery
             if orchestrator is not None:
@@ -512,17 +355,18 @@ class ClusterService:
                     f"Cluster '{cluster.name}' is {cluster.status}; DeleteCluster is accepted only "
                     "while the cluster is InService or Failed."
                 )
-            cluster.status = check_transition(cluster.status, ClusterStatus.DELETING)
-            cluster.updated_time = self.clock.now()
-            for group in cluster.instance_groups:
-                group.status = GroupStatus.DELETING
-            events.record(
+            now = self.clock.now()
+            cluster.updated_time = now
+            events.move(
                 session,
+                cluster,
+                ClusterStatus.DELETING,
                 ids=self.ids,
-                now=cluster.updated_time,
-                cluster=cluster,
+                now=now,
                 description="Cluster deletion started.",
             )
+            for group in cluster.instance_groups:
+                events.move(session, group, GroupStatus.DELETING, ids=self.ids, now=now)
         self.on_change()
         return cluster
 
@@ -556,7 +400,7 @@ class ClusterService:
                 if any(g.spec.get("TrainingPlanArn") == training_plan_arn for g in c.instance_groups)
             ]
         scope = f"clusters:{sort_by}:{sort_order}:{name_contains}"
-        return _paginate(clusters, max_results=max_results, token=next_token, scope=scope)
+        return paginate(clusters, max_results=max_results, token=next_token, scope=scope)
 
     def list_cluster_nodes(
         self,
@@ -585,7 +429,7 @@ class ClusterService:
             query = query.order_by(*order)
             nodes = list(session.scalars(query))
         scope = f"nodes:{cluster.id}:{sort_by}:{sort_order}:{instance_group_name_contains}"
-        return _paginate(nodes, max_results=max_results, token=next_token, scope=scope)
+        return paginate(nodes, max_results=max_results, token=next_token, scope=scope)
 
     def describe_cluster_node(
         self, *, name: str, node_id: str | None = None, node_logical_id: str | None = None
@@ -647,22 +491,22 @@ class ClusterService:
                             (key, "InvalidNodeStatus", f"Node {key} is already shutting down.")
                         )
                     else:
-                        node.status = NodeStatus.SHUTTING_DOWN
+                        events.move(
+                            session,
+                            node,
+                            NodeStatus.SHUTTING_DOWN,
+                            ids=self.ids,
+                            now=self.clock.now(),
+                            cluster=cluster,
+                            description=f"Node {node.id} deleted by BatchDeleteClusterNodes.",
+                        )
                         group = groups.get(node.group_name)
                         if group is not None and group.target_count > 0:
                             group.target_count -= 1
                             group.spec = {**group.spec, "InstanceCount": group.target_count}
                         result.successful.append(key)
-                        events.record(
-                            session,
-                            ids=self.ids,
-                            now=self.clock.now(),
-                            cluster=cluster,
-                            node=node,
-                            description=f"Node {node.id} deleted by BatchDeleteClusterNodes.",
-                        )
             if by_id.successful or by_logical.successful:
-                cluster.generation += 1  # the replica ring changed
+                bump_generation(cluster)  # the replica ring changed
         self.on_change()
         return by_id, by_logical
 
@@ -701,7 +545,7 @@ class ClusterService:
                 query = query.order_by(ClusterEvent.event_time.desc(), ClusterEvent.id.desc())
             found = list(session.scalars(query))
         scope = f"events:{cluster.id}:{instance_group_name}:{node_id}:{resource_type}:{sort_order}"
-        return cluster, _paginate(found, max_results=max_results, token=next_token, scope=scope)
+        return cluster, paginate(found, max_results=max_results, token=next_token, scope=scope)
 
     def describe_cluster_event(self, *, name: str, event_id: str) -> tuple[Cluster, ClusterEvent]:
         with self.db.read() as session:
@@ -747,7 +591,7 @@ class ClusterService:
         with self.db.read() as session:
             self._tagged_cluster(session, arn)
             tags = list(session.scalars(select(Tag).where(Tag.resource_arn == arn).order_by(Tag.key)))
-        return _paginate(tags, max_results=max_results, token=next_token, scope=f"tags:{arn}")
+        return paginate(tags, max_results=max_results, token=next_token, scope=f"tags:{arn}")
 
     def delete_tags(self, *, arn: str, keys: list[str]) -> None:
         with self.db.write() as session:

@@ -1,4 +1,5 @@
-"""Cluster events: what happened to a cluster, its groups and its nodes, with timestamps."""
+"""Cluster events: what happened to a cluster, its groups and its nodes, with timestamps; and
+``move``, the one way their statuses change (checked against domain/lifecycle.py's tables)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from enum import StrEnum
 from sqlalchemy.orm import Session
 
 from domain.clock import Ids
-from models import Cluster, ClusterEvent, Node
+from domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, check_transition
+from models import Cluster, ClusterEvent, InstanceGroup, Node
 
 
 class Level(StrEnum):
@@ -48,3 +50,40 @@ def record(
     )
     session.add(event)
     return event
+
+
+def move(
+    session: Session,
+    entity: Cluster | InstanceGroup | Node,
+    target: ClusterStatus | GroupStatus | NodeStatus,
+    *,
+    ids: Ids,
+    now: datetime,
+    cluster: Cluster | None = None,
+    description: str | None = None,
+    level: Level = Level.INFO,
+) -> None:
+    """Move a cluster, group or node to ``target`` (a bug if its transition table does not allow
+    it) and, with ``description``, record the event that says so, in the caller's transaction.
+    ``cluster``: the group's or node's cluster (its events are the cluster's)."""
+    if isinstance(entity, Cluster):
+        entity.status = check_transition(entity.status, ClusterStatus(target))
+        cluster = entity
+    elif isinstance(entity, InstanceGroup):
+        entity.status = check_transition(entity.status, GroupStatus(target))
+    else:
+        entity.status = check_transition(entity.status, NodeStatus(target))
+    if description is None:
+        return
+    if cluster is None:
+        raise ValueError("the event of a group's or node's move needs its cluster")
+    record(
+        session,
+        ids=ids,
+        now=now,
+        cluster=cluster,
+        description=description,
+        node=entity if isinstance(entity, Node) else None,
+        group_name=entity.name if isinstance(entity, InstanceGroup) else None,
+        level=level,
+    )

@@ -1,10 +1,18 @@
-"""Declared status transitions of clusters, instance groups and nodes."""
+"""Declared status transitions of clusters, instance groups and nodes, and the policy generation.
+
+Every status change goes through ``check_transition`` (``events.move`` calls it and records the
+change's event): a move that its table does not list is a bug, raised as ``InternalFailure``. A
+status that stays what it is is no move and is always allowed.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
+from typing import Any, TypeVar
 
 from domain.errors import InternalFailure
+from models import Cluster
 
 
 class ClusterStatus(StrEnum):
@@ -40,14 +48,54 @@ CLUSTER_TRANSITIONS: dict[ClusterStatus, frozenset[ClusterStatus]] = {
     ClusterStatus.DELETING: frozenset(),
 }
 
+GROUP_TRANSITIONS: dict[GroupStatus, frozenset[GroupStatus]] = {
+    # A new group is InService once its cluster is (every node Running with the current policy).
+    GroupStatus.CREATING: frozenset({GroupStatus.IN_SERVICE, GroupStatus.DELETING}),
+    GroupStatus.IN_SERVICE: frozenset({GroupStatus.UPDATING, GroupStatus.DELETING}),
+    GroupStatus.UPDATING: frozenset({GroupStatus.IN_SERVICE, GroupStatus.DELETING}),
+    GroupStatus.DEGRADED: frozenset({GroupStatus.IN_SERVICE, GroupStatus.UPDATING, GroupStatus.DELETING}),
+    GroupStatus.FAILED: frozenset({GroupStatus.DELETING}),
+    # Deleting ends with the row gone, once its nodes are.
+    GroupStatus.DELETING: frozenset(),
+}
+
+NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
+    NodeStatus.PENDING: frozenset({NodeStatus.RUNNING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
+    NodeStatus.RUNNING: frozenset({NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
+    # A failed node whose agent registers or heartbeats again is Pending until it has the policy;
+    # one that is replaced (NodeRecovery: Automatic) or deleted shuts down.
+    NodeStatus.FAILURE: frozenset({NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN}),
+    # ShuttingDown ends with the row gone, once its agent has stopped.
+    NodeStatus.SHUTTING_DOWN: frozenset(),
+}
+
 # Statuses in which the cluster accepts UpdateCluster / DeleteCluster / node deletion.
 MUTABLE = frozenset({ClusterStatus.IN_SERVICE})
 DELETABLE = frozenset({ClusterStatus.IN_SERVICE, ClusterStatus.FAILED})
 
+S = TypeVar("S", ClusterStatus, GroupStatus, NodeStatus)
 
-def check_transition(current: str, target: ClusterStatus) -> ClusterStatus:
-    """Return ``target`` if the table allows ``current -> target``; a bug otherwise."""
-    source = ClusterStatus(current)
-    if target not in CLUSTER_TRANSITIONS[source]:
-        raise InternalFailure(f"illegal cluster transition {source} -> {target}")
+
+def check_transition(current: str, target: S) -> S:
+    """Return ``target`` if its table allows ``current -> target`` (or it is ``current``); a bug
+    otherwise."""
+    kind, table = _TABLES[type(target)]
+    source = type(target)(current)
+    if source != target and target not in table[source]:
+        raise InternalFailure(f"illegal {kind} transition {source} -> {target}")
     return target
+
+
+_TABLES: dict[type[StrEnum], tuple[str, Mapping[Any, frozenset[Any]]]] = {
+    ClusterStatus: ("cluster", CLUSTER_TRANSITIONS),
+    GroupStatus: ("instance group", GROUP_TRANSITIONS),
+    NodeStatus: ("node", NODE_TRANSITIONS),
+}
+
+
+def bump_generation(cluster: Cluster) -> int:
+    """A new policy generation for ``cluster`` (its desired state changed: the node set, the
+    replica ring, the tiered storage or checkpoint policy, an S3 fault); the reconciler pushes it
+    to every node until each has applied it. The new generation."""
+    cluster.generation += 1
+    return cluster.generation

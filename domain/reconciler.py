@@ -32,7 +32,7 @@ from domain import credentials, events, faults
 from domain.checkpoint_policy import S3Endpoint
 from domain.clock import Clock, Ids
 from domain.events import Level
-from domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, check_transition
+from domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, bump_generation
 from domain.policy import build_policy
 from domain.provisioning import Provisioner
 from models import Cluster, Database, InstanceGroup, Node, Tag
@@ -265,7 +265,7 @@ class Reconciler:
         if cluster.status == ClusterStatus.DELETING:
             for node in cluster.nodes:
                 if node.status != NodeStatus.SHUTTING_DOWN:
-                    node.status = NodeStatus.SHUTTING_DOWN
+                    events.move(session, node, NodeStatus.SHUTTING_DOWN, ids=self.ids, now=now)
                     outcome.changed = outcome.again = True
             if not cluster.nodes:
                 session.execute(delete(Tag).where(Tag.resource_arn == cluster.arn))
@@ -296,7 +296,7 @@ class Reconciler:
                 continue
             nodes = live_by_group.get(group.name, [])
             for node in nodes:
-                node.status = NodeStatus.SHUTTING_DOWN
+                events.move(session, node, NodeStatus.SHUTTING_DOWN, ids=self.ids, now=now)
             if not nodes:
                 cluster.instance_groups.remove(group)
                 session.delete(group)
@@ -325,13 +325,13 @@ class Reconciler:
                 )
                 surplus = len(nodes) - group.target_count
                 for node in by_preference[:surplus]:
-                    node.status = NodeStatus.SHUTTING_DOWN
-                    events.record(
+                    events.move(
                         session,
+                        node,
+                        NodeStatus.SHUTTING_DOWN,
                         ids=self.ids,
                         now=now,
                         cluster=cluster,
-                        node=node,
                         description=f"Node {node.id} is shutting down (scale-down).",
                     )
                 nodes = by_preference[surplus:]
@@ -347,22 +347,28 @@ class Reconciler:
         # the replica ring changed, so every node needs a new policy generation.
         members_after = {n.id for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN}
         if members_after != members_before and cluster.status == ClusterStatus.IN_SERVICE:
-            cluster.generation += 1
+            bump_generation(cluster)
 
         if self.provisioner.uses_agents:
             self._claim_pushes(cluster, now, outcome)
 
         # 4. Status follows convergence.
         if converged and cluster.status in (ClusterStatus.CREATING, ClusterStatus.UPDATING):
-            cluster.status = check_transition(cluster.status, ClusterStatus.IN_SERVICE)
             cluster.updated_time = now
-            for group in cluster.instance_groups:
-                group.status = GroupStatus.IN_SERVICE
             running = sum(1 for n in cluster.nodes if n.status == NodeStatus.RUNNING)
             description = f"Cluster is InService with {running} nodes"
             if self.provisioner.uses_agents:
                 description += f"; policy generation {cluster.generation} applied on every node"
-            events.record(session, ids=self.ids, now=now, cluster=cluster, description=description + ".")
+            events.move(
+                session,
+                cluster,
+                ClusterStatus.IN_SERVICE,
+                ids=self.ids,
+                now=now,
+                description=description + ".",
+            )
+            for group in cluster.instance_groups:
+                events.move(session, group, GroupStatus.IN_SERVICE, ids=self.ids, now=now)
             outcome.changed = True
 
     def _bring_up(
@@ -374,7 +380,7 @@ class Reconciler:
         if not self.provisioner.uses_agents:
             if node.status == NodeStatus.PENDING:
                 if self.provisioner.is_ready(node, now):
-                    node.status = NodeStatus.RUNNING
+                    events.move(session, node, NodeStatus.RUNNING, ids=self.ids, now=now)
                     outcome.changed = True
                 else:
                     outcome.note_due(node.ready_at)
@@ -382,13 +388,13 @@ class Reconciler:
             return True
         current = node.registered_at is not None and node.acked_generation >= cluster.generation
         if node.status == NodeStatus.PENDING and current:
-            node.status = NodeStatus.RUNNING
-            events.record(
+            events.move(
                 session,
+                node,
+                NodeStatus.RUNNING,
                 ids=self.ids,
                 now=now,
                 cluster=cluster,
-                node=node,
                 description=f"Node {node.id} is Running (policy generation {cluster.generation}).",
             )
             outcome.changed = True
@@ -446,7 +452,7 @@ class Reconciler:
                 outcome.changed = True
             if node.status == NodeStatus.FAILURE and cluster.node_recovery == "Automatic":
                 group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
-                node.status = NodeStatus.SHUTTING_DOWN
+                events.move(session, node, NodeStatus.SHUTTING_DOWN, ids=self.ids, now=now)
                 # Its credentials die with it: the replacement registers with a secret of its own.
                 credentials.revoke(node)
                 if group is not None and group.status != GroupStatus.DELETING:
@@ -465,7 +471,7 @@ class Reconciler:
                 replaced = True
                 outcome.changed = outcome.again = True
         if replaced:
-            cluster.generation += 1  # the ring changed: every node's replica peers may have
+            bump_generation(cluster)  # the ring changed: every node's replica peers may have
 
     def _started_again_and_silent(self, node: Node) -> bool:
         """Whether this control plane started the node's agent again at its start and has not
@@ -521,14 +527,14 @@ class Reconciler:
 
     def _fail(self, session: Session, cluster: Cluster, node: Node, now: datetime, reason: str) -> None:
         """Mark a node failed, with the reason in its status and an Error event."""
-        node.status = NodeStatus.FAILURE
         node.status_message = f"Node failed: {reason}."
-        events.record(
+        events.move(
             session,
+            node,
+            NodeStatus.FAILURE,
             ids=self.ids,
             now=now,
             cluster=cluster,
-            node=node,
             level=Level.ERROR,
             description=f"Node {node.id} failed: {reason}.",
         )
