@@ -12,7 +12,7 @@
   For API-only use (tests of the AWS surface, the control-plane benchmark).
 
 Only the local provisioner owns its agents' processes, so only it can restart a crashed agent
-(the reconciler asks ``running_agents``) and inject node faults (``kill_agent``, ``pause_agent``,
+(the reconciler asks ``exited_agents``) and inject node faults (``kill_agent``, ``pause_agent``,
 ``resume_agent``; domain/faults.py).
 
 The local provisioner's agents live through a restart of the control plane (README, "What a
@@ -86,8 +86,9 @@ class Provisioner(Protocol):
     #: Whether it owns the agents' processes: restarts crashed agents, injects node faults.
     owns_agents: bool
 
-    def running_agents(self) -> set[str] | None:
-        """Node ids whose agent process exists on this machine; None: cannot tell."""
+    def exited_agents(self, node_ids: Collection[str]) -> set[str] | None:
+        """Of ``node_ids``, those whose agent this provisioner started (or adopted) and whose
+        process has gone since (to be started again); None: cannot tell."""
 
     def kill_agent(self, node: Node, *, wipe_memory: bool) -> list[int]:
         """SIGKILL the node's agent (a crash); with ``wipe_memory`` its shared memory goes too (the
@@ -112,7 +113,7 @@ class _NoProcesses:
 
     owns_agents = False
 
-    def running_agents(self) -> set[str] | None:
+    def exited_agents(self, node_ids: Collection[str]) -> set[str] | None:
         return None
 
     def adopt_agents(self, *, unregistered: Collection[str] = ()) -> set[str] | None:
@@ -322,8 +323,8 @@ class LocalProvisioner:
     def is_ready(self, node: Node, now: datetime) -> bool:
         return False
 
-    def running_agents(self) -> set[str] | None:
-        return agent_node_ids()
+    def exited_agents(self, node_ids: Collection[str]) -> set[str] | None:
+        return set(node_ids) - agent_node_ids()
 
     def _own(self, agent: AgentProcess) -> bool:
         """Whether this control plane started ``agent`` (its data dir is under this one's)."""

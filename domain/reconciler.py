@@ -11,40 +11,29 @@ never work on the same cluster at once, nor push the same generation to the same
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
-from typing import Any
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from agents.partition import CONTROL_PLANE_AGENT
-from domain import credentials, events, faults
+from domain import events, faults
 from domain.checkpoint_policy import S3Endpoint
 from domain.clock import Clock, Ids
-from domain.events import Level
 from domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, bump_generation
-from domain.policy import build_policy
+from domain.node_health import NodeHealth
+from domain.nodes import fail_node, new_node
+from domain.outcome import Outcome
 from domain.provisioning import Provisioner
+from domain.pushes import PolicyPusher, PushConfig, claim_pushes
 from models import Cluster, Database, InstanceGroup, Node, Tag
 
 log = logging.getLogger(__name__)
-
-LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
-# A crashed agent is restarted at once; one that crashes again within RESTART_WINDOW_S of its last
-# restart waits RESTART_BACKOFF_S, doubling with each such restart up to RESTART_BACKOFF_MAX_S.
-RESTART_WINDOW_S = 60.0
-RESTART_BACKOFF_S = 1.0
-RESTART_BACKOFF_MAX_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -62,48 +51,6 @@ class ReconcilerConfig:
     # Restart the crashed agent of a Pending or Running node (local provisioner), as a kubelet
     # restarts a daemon, instead of letting its node fail.
     restart_agents: bool = True
-
-
-@dataclass(frozen=True)
-class Push:
-    """One policy push, claimed in a transaction and sent after it."""
-
-    node_id: str
-    endpoint: str
-    token: str  # the node's control-plane token: only this control plane and that agent know it
-    policy: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class PushResult:
-    node_id: str
-    generation: int
-    applied: int | None  # the generation the agent reports, or None on failure
-    error: str | None = None
-    permanent: bool = False
-    # The generation an agent that answered "stale" (409) says it has: never an acknowledgement.
-    # Ahead of every generation this control plane issued, it is a policy it did not get from
-    # here, and the node is pushed again with a reset.
-    ahead: int | None = None
-    reset: bool = False  # the answer to a push with a reset
-
-
-@dataclass
-class Outcome:
-    """What one reconcile pass over one cluster did."""
-
-    changed: bool = False
-    # Another pass right away can make progress (nodes to remove, pushes answered, ...).
-    again: bool = False
-    # The earliest time something is due (a launch delay, a push retry, a heartbeat deadline).
-    due: datetime | None = None
-    launches: list[str] = field(default_factory=list)
-    pushes: list[Push] = field(default_factory=list)
-    # Nodes whose crashed agent waits out its restart backoff: not failed for missed heartbeats.
-    restart_pending: set[str] = field(default_factory=set)
-
-    def note_due(self, when: datetime) -> None:
-        self.due = when if self.due is None else min(self.due, when)
 
 
 class Reconciler:
@@ -124,7 +71,27 @@ class Reconciler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self.pusher = PolicyPusher(
+            db=db,
+            clock=clock,
+            ids=ids,
+            workers=config.push_workers,
+            config=PushConfig(
+                timeout_s=config.push_timeout_s,
+                backoff_s=config.push_backoff_s,
+                backoff_max_s=config.push_backoff_max_s,
+                memory_scale=config.memory_scale,
+                s3_endpoint=config.s3_endpoint,
+            ),
+        )
+        self.health = NodeHealth(
+            ids=ids,
+            provisioner=provisioner,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            launch_timeout_s=config.launch_timeout_s,
+            node_ready_delay_s=config.node_ready_delay_s,
+            restart_agents=config.restart_agents,
+        )
         self._adopted = False
         # When this control plane came up: no node is failed for the silence before (its agent
         # could not reach a control plane that was down), as none is for a database outage's.
@@ -138,10 +105,6 @@ class Reconciler:
 
     def start(self) -> None:
         self._up_since = self.clock.now()
-        if self.provisioner.uses_agents:
-            self._pool = ThreadPoolExecutor(
-                max_workers=self.config.push_workers, thread_name_prefix="policy-push"
-            )
         self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
         self._thread.start()
 
@@ -154,8 +117,7 @@ class Reconciler:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self.pusher.close()
         if self._stopped:
             return
         self._stopped = True
@@ -225,7 +187,8 @@ class Reconciler:
         return due
 
     def reconcile(self, cluster_id: str) -> Outcome:
-        outcome = Outcome()
+        """One pass over one cluster in one transaction; then, outside it, the agents it launched
+        start and the pushes it claimed are sent."""
         with self.db.write() as session:
             cluster = session.scalars(
                 select(Cluster)
@@ -234,25 +197,56 @@ class Reconciler:
                 .with_for_update(skip_locked=True)
             ).one_or_none()
             if cluster is None:  # gone, or another control plane holds it
-                return outcome
-            self._step(session, cluster, outcome)
+                return Outcome()
+            outcome = self._step(session, cluster)
         if outcome.launches:
             self._launch_agents(cluster_id, outcome.launches)
             outcome.again = outcome.changed = True
         if outcome.pushes:
-            resets = self._record_pushes(cluster_id, self._send(outcome.pushes))
+            resets = self.pusher.record(cluster_id, self.pusher.send(outcome.pushes))
             if resets:
                 again = [push for push in outcome.pushes if push.node_id in resets]
-                self._record_pushes(cluster_id, self._send(again, reset=True))
+                self.pusher.record(cluster_id, self.pusher.send(again, reset=True))
             outcome.again = outcome.changed = True
         return outcome
 
-    def _step(self, session: Session, cluster: Cluster, outcome: Outcome) -> None:
+    def _step(self, session: Session, cluster: Cluster) -> Outcome:
+        """One pass over a locked cluster, phase by phase; what they did together."""
         now = self.clock.now()
-        # 1. Nodes that are shutting down go away once their agent has stopped. An agent told to
-        # stop drains its unpersisted checkpoints to S3 first, calling the control plane as it
-        # does (namespaces, events): so the node's row, and a deleted cluster's, stay until then.
-        # The provisioner bounds the wait (SIGKILL after its grace period).
+        outcome = self._remove_stopped_nodes(session, cluster)
+        if cluster.status == ClusterStatus.DELETING:
+            return outcome.merge(self._delete_cluster(session, cluster, now))
+        outcome.merge(self._end_faults(session, cluster, now))
+        if self.provisioner.uses_agents:
+            restarts = self.health.restart_crashed_agents(session, cluster, now)
+            outcome.merge(restarts)
+            outcome.merge(
+                self.health.detect_failures(
+                    session,
+                    cluster,
+                    now,
+                    back=self._back_since(),
+                    restart_pending=restarts.restart_pending,
+                    started_again_and_silent=self._started_again_and_silent,
+                )
+            )
+        members_before = _members(cluster)
+        outcome.merge(self._drain_deleted_groups(session, cluster, now))
+        outcome.merge(self._scale_groups(session, cluster, now))
+        # The node set changed outside an update (a scale step after BatchDeleteClusterNodes, ...):
+        # the replica ring changed, so every node needs a new policy generation.
+        if _members(cluster) != members_before and cluster.status == ClusterStatus.IN_SERVICE:
+            bump_generation(cluster)
+        if self.provisioner.uses_agents:
+            outcome.merge(claim_pushes(cluster, now, self.pusher.config))
+        return outcome.merge(self._settle_status(session, cluster, now, converged=outcome.converged))
+
+    def _remove_stopped_nodes(self, session: Session, cluster: Cluster) -> Outcome:
+        """Nodes that are shutting down go away once their agent has stopped. An agent told to
+        stop drains its unpersisted checkpoints to S3 first, calling the control plane as it does
+        (namespaces, events): so the node's row, and a deleted cluster's, stay until then. The
+        provisioner bounds the wait (SIGKILL after its grace period)."""
+        outcome = Outcome()
         for node in list(cluster.nodes):
             if node.status == NodeStatus.SHUTTING_DOWN:
                 self.provisioner.terminate(node)
@@ -261,115 +255,115 @@ class Reconciler:
                 cluster.nodes.remove(node)
                 session.delete(node)
                 outcome.changed = True
+        return outcome
 
-        if cluster.status == ClusterStatus.DELETING:
-            for node in cluster.nodes:
-                if node.status != NodeStatus.SHUTTING_DOWN:
-                    events.move(session, node, NodeStatus.SHUTTING_DOWN, ids=self.ids, now=now)
-                    outcome.changed = outcome.again = True
-            if not cluster.nodes:
-                session.execute(delete(Tag).where(Tag.resource_arn == cluster.arn))
-                session.delete(cluster)
-                outcome.changed = True
-            return
+    def _delete_cluster(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
+        """A Deleting cluster shuts its nodes down; once they are gone, so is it (tags included)."""
+        outcome = Outcome(converged=False)
+        for node in cluster.nodes:
+            if node.status != NodeStatus.SHUTTING_DOWN:
+                events.move(session, node, NodeStatus.SHUTTING_DOWN, ids=self.ids, now=now)
+                outcome.changed = outcome.again = True
+        if not cluster.nodes:
+            session.execute(delete(Tag).where(Tag.resource_arn == cluster.arn))
+            session.delete(cluster)
+            outcome.changed = True
+        return outcome
 
+    def _end_faults(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
+        """Faults whose duration is over end (domain/faults.py)."""
         changed, due = faults.end_due_faults(
             session, ids=self.ids, now=now, cluster=cluster, provisioner=self.provisioner
         )
-        if changed:
-            outcome.changed = True
+        outcome = Outcome(changed=changed)
         if due is not None:
             outcome.note_due(due)
-        if self.provisioner.uses_agents:
-            self._restart_crashed_agents(session, cluster, now, outcome)
-            self._detect_failures(session, cluster, now, outcome)
+        return outcome
 
-        members_before = {n.id for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN}
-        live_by_group: dict[str, list[Node]] = {}
-        for node in cluster.nodes:
-            if node.status != NodeStatus.SHUTTING_DOWN:  # on its way out: not part of any group
-                live_by_group.setdefault(node.group_name, []).append(node)
-
-        # 2. Groups being deleted drain their nodes, then disappear.
+    def _drain_deleted_groups(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
+        """Groups being deleted shut their nodes down, then disappear."""
+        outcome = Outcome()
+        live = _live_by_group(cluster)
         for group in list(cluster.instance_groups):
             if group.status != GroupStatus.DELETING:
                 continue
-            nodes = live_by_group.get(group.name, [])
+            nodes = live.get(group.name, [])
             for node in nodes:
                 events.move(session, node, NodeStatus.SHUTTING_DOWN, ids=self.ids, now=now)
             if not nodes:
                 cluster.instance_groups.remove(group)
                 session.delete(group)
             outcome.changed = outcome.again = True
+        return outcome
 
-        # 3. Scale each group to its target, and bring pending nodes up, in the same pass: with
-        # no launch delay a simulated cluster goes Creating -> InService in one transaction.
-        converged = True
+    def _scale_groups(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
+        """Scale each group to its target, and bring pending nodes up, in the same pass: with no
+        launch delay a simulated cluster goes Creating -> InService in one transaction. Converged:
+        every group at its target, every node Running with the current policy."""
+        outcome = Outcome()
+        live = _live_by_group(cluster)
         for group in cluster.instance_groups:
             if group.status == GroupStatus.DELETING:
-                converged = False
+                outcome.converged = False
                 continue
-            nodes = live_by_group.get(group.name, [])
+            nodes = live.get(group.name, [])
             if len(nodes) < group.target_count:
-                launched = [
+                nodes = nodes + [
                     self._new_node(session, cluster, group, now, outcome)
                     for _ in range(group.target_count - len(nodes))
                 ]
-                nodes = nodes + launched
                 outcome.changed = True
             elif len(nodes) > group.target_count:
-                # Scale down: failed nodes first, then pending ones, then the newest.
-                rank = {NodeStatus.FAILURE: 0, NodeStatus.PENDING: 1}
-                by_preference = sorted(
-                    nodes, key=lambda n: (rank.get(NodeStatus(n.status), 2), -n.launch_time.timestamp())
-                )
-                surplus = len(nodes) - group.target_count
-                for node in by_preference[:surplus]:
-                    events.move(
-                        session,
-                        node,
-                        NodeStatus.SHUTTING_DOWN,
-                        ids=self.ids,
-                        now=now,
-                        cluster=cluster,
-                        description=f"Node {node.id} is shutting down (scale-down).",
-                    )
-                nodes = by_preference[surplus:]
+                nodes = self._scale_down(session, cluster, nodes, group.target_count, now)
                 outcome.changed = True
-                converged = False
+                outcome.converged = False
             for node in nodes:
-                converged &= self._bring_up(session, cluster, node, now, outcome)
+                outcome.converged &= self._bring_up(session, cluster, node, now, outcome)
         if any(n.status == NodeStatus.SHUTTING_DOWN for n in cluster.nodes):
-            converged = False
+            outcome.converged = False
             outcome.again = True
+        return outcome
 
-        # The node set changed outside an update (a scale step after BatchDeleteClusterNodes, ...):
-        # the replica ring changed, so every node needs a new policy generation.
-        members_after = {n.id for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN}
-        if members_after != members_before and cluster.status == ClusterStatus.IN_SERVICE:
-            bump_generation(cluster)
-
-        if self.provisioner.uses_agents:
-            self._claim_pushes(cluster, now, outcome)
-
-        # 4. Status follows convergence.
-        if converged and cluster.status in (ClusterStatus.CREATING, ClusterStatus.UPDATING):
-            cluster.updated_time = now
-            running = sum(1 for n in cluster.nodes if n.status == NodeStatus.RUNNING)
-            description = f"Cluster is InService with {running} nodes"
-            if self.provisioner.uses_agents:
-                description += f"; policy generation {cluster.generation} applied on every node"
+    def _scale_down(
+        self, session: Session, cluster: Cluster, nodes: list[Node], target: int, now: datetime
+    ) -> list[Node]:
+        """Shut down the surplus of ``nodes`` over ``target``: failed nodes first, then pending
+        ones, then the newest. The nodes that stay."""
+        rank = {NodeStatus.FAILURE: 0, NodeStatus.PENDING: 1}
+        by_preference = sorted(
+            nodes, key=lambda n: (rank.get(NodeStatus(n.status), 2), -n.launch_time.timestamp())
+        )
+        surplus = len(nodes) - target
+        for node in by_preference[:surplus]:
             events.move(
                 session,
-                cluster,
-                ClusterStatus.IN_SERVICE,
+                node,
+                NodeStatus.SHUTTING_DOWN,
                 ids=self.ids,
                 now=now,
-                description=description + ".",
+                cluster=cluster,
+                description=f"Node {node.id} is shutting down (scale-down).",
             )
-            for group in cluster.instance_groups:
-                events.move(session, group, GroupStatus.IN_SERVICE, ids=self.ids, now=now)
-            outcome.changed = True
+        return by_preference[surplus:]
+
+    def _settle_status(
+        self, session: Session, cluster: Cluster, now: datetime, *, converged: bool
+    ) -> Outcome:
+        """Status follows convergence: a Creating or Updating cluster that converged is InService,
+        and so are its groups."""
+        if not (converged and cluster.status in (ClusterStatus.CREATING, ClusterStatus.UPDATING)):
+            return Outcome()
+        cluster.updated_time = now
+        running = sum(1 for n in cluster.nodes if n.status == NodeStatus.RUNNING)
+        description = f"Cluster is InService with {running} nodes"
+        if self.provisioner.uses_agents:
+            description += f"; policy generation {cluster.generation} applied on every node"
+        events.move(
+            session, cluster, ClusterStatus.IN_SERVICE, ids=self.ids, now=now, description=f"{description}."
+        )
+        for group in cluster.instance_groups:
+            events.move(session, group, GroupStatus.IN_SERVICE, ids=self.ids, now=now)
+        return Outcome(changed=True)
 
     def _bring_up(
         self, session: Session, cluster: Cluster, node: Node, now: datetime, outcome: Outcome
@@ -400,188 +394,24 @@ class Reconciler:
             outcome.changed = True
         return node.status == NodeStatus.RUNNING and current
 
-    def _detect_failures(self, session: Session, cluster: Cluster, now: datetime, outcome: Outcome) -> None:
-        heartbeat_timeout = timedelta(seconds=self.config.heartbeat_timeout_s)
-        launch_timeout = timedelta(seconds=self.config.launch_timeout_s)
-        # Silence while the control plane could not hear does not count against a node: it has a
-        # whole timeout from the database's last failure (heartbeats refused; the epoch when it
-        # never failed) and from this control plane's start (heartbeats nobody was there to hear).
-        back = max(datetime.fromtimestamp(self.db.last_unavailable_at, tz=UTC), self._up_since)
-        replaced = False
-        for node in list(cluster.nodes):
-            reason = None
-            if node.status in (NodeStatus.PENDING, NodeStatus.RUNNING):
-                restarted = node.agent_restarted_at
-                last_heartbeat = node.last_heartbeat
-                if node.id in outcome.restart_pending:
-                    # The control plane is restarting its agent (a kubelet's CrashLoopBackOff): the
-                    # node stays up through the backoff; the restarted agent then has the launch
-                    # timeout to register (below).
-                    pass
-                elif last_heartbeat is not None and (
-                    (restarted is not None and restarted >= last_heartbeat)
-                    or self._started_again_and_silent(node)
-                ):
-                    # A restarted agent (after a crash, or with the control plane) has as long to
-                    # register as a new one, counted from the last heartbeat: an agent that keeps
-                    # crashing does not keep its node alive.
-                    deadline = max(last_heartbeat, back) + heartbeat_timeout + launch_timeout
-                    if now >= deadline:
-                        why = "crashed and was restarted"
-                        if self._started_again_and_silent(node):
-                            why = "was started again with the control plane"
-                        reason = (
-                            f"its agent {why}, but did not register within {self.config.launch_timeout_s:g} s"
-                        )
-                    else:
-                        outcome.note_due(deadline)
-                elif last_heartbeat is not None:
-                    deadline = max(last_heartbeat, back) + heartbeat_timeout
-                    if now >= deadline:
-                        reason = f"no heartbeat from its agent for {self.config.heartbeat_timeout_s:g} s"
-                    else:
-                        outcome.note_due(deadline)
-                else:
-                    deadline = max(node.launch_time, back) + launch_timeout
-                    if now >= deadline:
-                        reason = f"its agent did not register within {self.config.launch_timeout_s:g} s"
-                    else:
-                        outcome.note_due(deadline)
-            if reason is not None:
-                self._fail(session, cluster, node, now, reason)
-                outcome.changed = True
-            if node.status == NodeStatus.FAILURE and cluster.node_recovery == "Automatic":
-                group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
-                events.move(session, node, NodeStatus.SHUTTING_DOWN, ids=self.ids, now=now)
-                # Its credentials die with it: the replacement registers with a secret of its own.
-                credentials.revoke(node)
-                if group is not None and group.status != GroupStatus.DELETING:
-                    replacement = self._new_node(session, cluster, group, now, outcome, slot=node.slot)
-                    events.record(
-                        session,
-                        ids=self.ids,
-                        now=now,
-                        cluster=cluster,
-                        node=node,
-                        level=Level.WARN,
-                        description=(
-                            f"Node {node.id} is replaced by {replacement.id} (NodeRecovery: Automatic)."
-                        ),
-                    )
-                replaced = True
-                outcome.changed = outcome.again = True
-        if replaced:
-            bump_generation(cluster)  # the ring changed: every node's replica peers may have
-
     def _started_again_and_silent(self, node: Node) -> bool:
         """Whether this control plane started the node's agent again at its start and has not
         heard from it since."""
         last = node.last_heartbeat
         return node.id in self._started_again and (last is None or last < self._up_since)
 
-    def _restart_crashed_agents(
-        self, session: Session, cluster: Cluster, now: datetime, outcome: Outcome
-    ) -> None:
-        """Start again the agent of a Pending or Running node whose agent process has gone (it
-        registered before, so it did not just fail to start), unless the node was lost (a NodeLoss
-        fault): the node keeps its id and its shared memory, and the agent finds its shards there."""
-        if not self.config.restart_agents:
-            return
-        running = self.provisioner.running_agents()
-        if running is None:
-            return
-        lost = faults.lost_nodes(cluster)
-        for node in cluster.nodes:
-            if (
-                node.status not in (NodeStatus.PENDING, NodeStatus.RUNNING)
-                or node.endpoint is None
-                or node.id in running
-                or node.id in lost
-            ):
-                continue
-            last = node.agent_restarted_at
-            restarts = 1
-            if last is not None and now - last < timedelta(seconds=RESTART_WINDOW_S):
-                delay = timedelta(
-                    seconds=min(RESTART_BACKOFF_S * 2 ** (node.agent_restarts - 1), RESTART_BACKOFF_MAX_S)
-                )
-                if now < last + delay:
-                    outcome.note_due(last + delay)
-                    outcome.restart_pending.add(node.id)
-                    continue
-                restarts = node.agent_restarts + 1
-            node.agent_restarts = restarts
-            node.agent_restarted_at = now
-            events.record(
-                session,
-                ids=self.ids,
-                now=now,
-                cluster=cluster,
-                node=node,
-                level=Level.WARN,
-                description=f"The agent of node {node.id} exited unexpectedly; restarting it "
-                f"(restart {restarts} in a row).",
-            )
-            outcome.launches.append(node.id)
-            outcome.changed = True
-
-    def _fail(self, session: Session, cluster: Cluster, node: Node, now: datetime, reason: str) -> None:
-        """Mark a node failed, with the reason in its status and an Error event."""
-        node.status_message = f"Node failed: {reason}."
-        events.move(
-            session,
-            node,
-            NodeStatus.FAILURE,
-            ids=self.ids,
-            now=now,
-            cluster=cluster,
-            level=Level.ERROR,
-            description=f"Node {node.id} failed: {reason}.",
-        )
+    def _back_since(self) -> datetime:
+        """Since when the control plane could hear its agents: silence before does not count
+        against a node (the database's last failure, when heartbeats were refused, the epoch if it
+        never failed; this control plane's start, before which nobody was there to hear)."""
+        return max(datetime.fromtimestamp(self.db.last_unavailable_at, tz=UTC), self._up_since)
 
     def _new_node(
-        self,
-        session: Session,
-        cluster: Cluster,
-        group: InstanceGroup,
-        now: datetime,
-        outcome: Outcome,
-        *,
-        slot: int | None = None,
+        self, session: Session, cluster: Cluster, group: InstanceGroup, now: datetime, outcome: Outcome
     ) -> Node:
-        """A Pending node in ``group`` (in ``slot``, or the lowest free one); its agent starts once
-        the transaction has committed."""
-        if slot is None:
-            taken = {
-                n.slot
-                for n in cluster.nodes
-                if n.group_name == group.name and n.status != NodeStatus.SHUTTING_DOWN
-            }
-            slot = next(i for i in range(len(taken) + 1) if i not in taken)
-        node_id = self.ids.node_id()
-        node = Node(
-            slot=slot,
-            id=node_id,
-            cluster_id=cluster.id,
-            group_name=group.name,
-            logical_id=f"{group.name}-{node_id[2:]}",
-            instance_type=group.instance_type,
-            status=NodeStatus.PENDING,
-            status_message=None,
-            launch_time=now,
-            ready_at=now + timedelta(seconds=self.config.node_ready_delay_s),
-            private_ip=self.ids.private_ip(),
-            acked_generation=0,
-            push_attempts=0,
-        )
-        cluster.nodes.append(node)
-        events.record(
-            session,
-            ids=self.ids,
-            now=now,
-            cluster=cluster,
-            node=node,
-            description=f"Node {node.id} launched in group {group.name}.",
+        """A Pending node in ``group``; its agent starts once the transaction has committed."""
+        node = new_node(
+            session, cluster, group, now, ids=self.ids, ready_delay_s=self.config.node_ready_delay_s
         )
         if self.provisioner.uses_agents:
             outcome.launches.append(node.id)
@@ -656,136 +486,7 @@ class Reconciler:
                 try:
                     self.provisioner.launch(cluster, node)
                 except OSError as exc:
-                    self._fail(session, cluster, node, now, f"its agent could not start: {exc}")
-
-    def _claim_pushes(self, cluster: Cluster, now: datetime, outcome: Outcome) -> None:
-        members = [n for n in cluster.nodes if n.status in LIVE]
-        lease = timedelta(seconds=self.config.push_timeout_s * 2)
-        for node in cluster.nodes:
-            if (
-                node.status not in (NodeStatus.PENDING, NodeStatus.RUNNING)
-                or node.endpoint is None
-                or node.push_token is None  # no agent registered with this control plane's tokens
-                or node.acked_generation >= cluster.generation
-            ):
-                continue
-            if node.push_claimed_until is not None and node.push_claimed_until > now:
-                outcome.note_due(node.push_claimed_until)
-                continue  # another control plane (or an earlier pass) is pushing it
-            if node.next_push_at is not None and node.next_push_at > now:
-                outcome.note_due(node.next_push_at)
-                continue
-            node.push_claimed_until = now + lease
-            policy = build_policy(
-                cluster,
-                node,
-                members,
-                memory_scale=self.config.memory_scale,
-                s3_endpoint=self.config.s3_endpoint,
-            )
-            outcome.pushes.append(Push(node.id, node.endpoint, node.push_token, policy))
-
-    def _put_policy(self, push: Push, *, reset: bool) -> tuple[int, str]:
-        """One PUT /v1/policy over a plain http.client connection: at 64 nodes a rollout is mostly
-        pushes, and a pooled httpx client cost several times the CPU per request
-        (bench/policy_rollout.py). The answer's status and text; transport errors are raised."""
-        url = urlsplit(push.endpoint)
-        connection = http.client.HTTPConnection(
-            url.hostname or "127.0.0.1", url.port or 80, timeout=self.config.push_timeout_s
-        )
-        try:
-            connection.request(
-                "PUT",
-                "/v1/policy?reset=true" if reset else "/v1/policy",
-                body=json.dumps(push.policy).encode(),
-                headers={
-                    "Authorization": f"Bearer {push.token}",
-                    "Content-Type": "application/json",
-                    "User-Agent": CONTROL_PLANE_AGENT,
-                },
-            )
-            response = connection.getresponse()
-            return response.status, response.read().decode(errors="replace")
-        finally:
-            connection.close()
-
-    def _push_one(self, push: Push, *, reset: bool = False) -> PushResult:
-        """Push a node's policy; with ``reset``, one the agent takes even though it is older than
-        the one it has (the control plane's token is the authority). Never raises: whatever goes
-        wrong (a connect error, an endpoint it cannot even parse) is this node's error only."""
-        generation = int(push.policy["generation"])
-        try:
-            status, text = self._put_policy(push, reset=reset)
-        except Exception as exc:
-            return PushResult(push.node_id, generation, None, f"{type(exc).__name__}: {exc}", reset=reset)
-        applied = _applied_generation(text)
-        if status == 200 and applied is not None:
-            return PushResult(push.node_id, generation, applied, reset=reset)
-        error = f"HTTP {status}: {text[:200]}"
-        if status == 409 and applied is not None and applied > generation and not reset:
-            error = f"the agent answered that it has generation {applied}, newer than {generation}"
-            return PushResult(push.node_id, generation, None, error, ahead=applied)
-        permanent = status == 200 or 400 <= status < 500  # a 200 off the contract too
-        return PushResult(push.node_id, generation, None, error, permanent, reset=reset)
-
-    def _send(self, pushes: list[Push], *, reset: bool = False) -> list[PushResult]:
-        assert self._pool is not None
-        return list(self._pool.map(lambda push: self._push_one(push, reset=reset), pushes))
-
-    def _record_pushes(self, cluster_id: str, results: list[PushResult]) -> set[str]:
-        """Record what the agents answered; the nodes to push again with a reset (their agents are
-        ahead of every generation this control plane issued)."""
-        now = self.clock.now()
-        resets: set[str] = set()
-        with self.db.write() as session:
-            cluster = session.get(Cluster, cluster_id)
-            nodes = {
-                n.id: n
-                for n in session.scalars(select(Node).where(Node.id.in_([r.node_id for r in results])))
-            }
-            for result in results:
-                node = nodes.get(result.node_id)
-                if node is None:
-                    continue
-                node.push_claimed_until = None
-                if result.ahead is not None and cluster is not None:
-                    if result.ahead <= cluster.generation:
-                        # A newer generation of ours (another control plane pushed it first).
-                        result = replace(result, applied=result.generation)
-                    else:
-                        events.record(
-                            session,
-                            ids=self.ids,
-                            now=now,
-                            cluster=cluster,
-                            node=node,
-                            level=Level.WARN,
-                            description=f"The agent of node {node.id} reported policy generation "
-                            f"{result.ahead}, ahead of this control plane's {cluster.generation}: a "
-                            "policy it did not get from the control plane. Re-syncing it to generation "
-                            f"{result.generation}.",
-                        )
-                        node.push_claimed_until = now + timedelta(seconds=self.config.push_timeout_s * 2)
-                        resets.add(node.id)
-                        continue
-                if result.applied is not None:
-                    node.acked_generation = max(node.acked_generation, min(result.applied, result.generation))
-                    node.push_attempts = 0
-                    node.next_push_at = None
-                    node.last_error = None
-                    continue
-                node.push_attempts += 1
-                if result.permanent:
-                    delay = self.config.push_backoff_max_s
-                else:
-                    delay = min(
-                        self.config.push_backoff_s * 2 ** (node.push_attempts - 1),
-                        self.config.push_backoff_max_s,
-                    )
-                node.next_push_at = now + timedelta(seconds=delay)
-                node.last_error = f"policy push of generation {result.generation} failed: {result.error}"
-                log.info("push to %s failed (attempt %d): %s", node.id, node.push_attempts, result.error)
-        return resets
+                    fail_node(session, cluster, node, now, f"its agent could not start: {exc}", ids=self.ids)
 
 
 def _agents_of(count: int) -> str:
@@ -812,10 +513,15 @@ def _stopping(counts: Counter[str]) -> str:
     )
 
 
-def _applied_generation(text: str) -> int | None:
-    """``applied_generation`` of an agent's answer, or None if it has none."""
-    try:
-        value = json.loads(text)["applied_generation"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+def _members(cluster: Cluster) -> set[str]:
+    """The nodes of the replica ring: every one not on its way out."""
+    return {n.id for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN}
+
+
+def _live_by_group(cluster: Cluster) -> dict[str, list[Node]]:
+    """Each group's nodes that are not on their way out (those are part of no group)."""
+    live: dict[str, list[Node]] = {}
+    for node in cluster.nodes:
+        if node.status != NodeStatus.SHUTTING_DOWN:
+            live.setdefault(node.group_name, []).append(node)
+    return live
