@@ -26,9 +26,10 @@ from domain.clock import Clock, Ids, SystemClock
 from domain.clusters import ClusterService, DomainConfig
 from domain.errors import AwsError, UnknownOperationException, ValidationException
 from domain.faults import FaultService
-from domain.provisioning import Provisioner, make_provisioner
+from domain.provisioning import Provisioner
 from domain.reconciler import Reconciler, ReconcilerConfig
 from hyperpod_sim.settings import Settings
+from infra.local import make_provisioner
 from models import Database
 
 log = logging.getLogger(__name__)

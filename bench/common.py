@@ -42,6 +42,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
+from infra.processes import pids_mentioning
+
 HOST = "127.0.0.1"
 REGION = "us-east-1"
 MIB = 1024 * 1024
@@ -92,25 +94,6 @@ def memory_status(pid: int, fields: Sequence[str] = MEMORY_FIELDS) -> dict[str, 
 def rss_bytes(pid: int) -> int | None:
     """VmRSS of a process in bytes (None when it is gone)."""
     return memory_status(pid, ("VmRSS",)).get("VmRSS")
-
-
-def pids_mentioning(path: Path, argument: str) -> list[int]:
-    """Processes (not this one) whose command line contains ``path`` anywhere and ``argument`` as
-    a whole argument (e.g. ``agent``: ``hyperpod-sim agent --data-dir <path>/...``)."""
-    marker = str(path).encode()
-    arg = argument.encode() + b"\0"
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-        except OSError:
-            continue
-        if marker in cmdline and arg in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 def terminate_pids(pids: Sequence[int], grace_s: float = 5.0) -> None:

@@ -434,7 +434,7 @@ class Metrics:
 
 def create_cluster(server: Server, name: str, deadline_s: float) -> Agent:
     """A 2-node tiered-storage cluster, InService; its first node's agent and that agent's peer."""
-    from domain.provisioning import find_agent_pids
+    from infra.processes import find_agent_pids
 
     client = sagemaker_client(server.endpoint, read_timeout=60)
     client.create_cluster(

@@ -28,7 +28,7 @@ For each size N, one size at a time:
    at ``AgentStatus.Endpoint`` returns that generation with the new percentage. Any mismatch
    aborts the run.
 4. Agent RSS: ``VmRSS`` from ``/proc/<pid>/status`` of every agent process of the cluster (pids by
-   ``domain.provisioning.find_agent_pids``), and the control plane's.
+   ``infra.processes.find_agent_pids``), and the control plane's.
 5. DeleteCluster, then wait until the cluster is gone and its agent processes have exited.
 
 Server and agent CPU per rollout come from ``/proc/<pid>/stat`` around each measurement.
@@ -77,7 +77,7 @@ from bench.common import (
     with_notes,
     write_json,
 )
-from domain.provisioning import find_agent_pids
+from infra.processes import find_agent_pids
 
 INSTANCE_TYPE = "ml.p5.48xlarge"
 GROUP = "workers"

@@ -287,7 +287,7 @@ def wait_in_service(server: Server, deadline_s: float) -> None:
 
 def create_cluster(server: Server, deadline_s: float) -> Agent:
     """A 1-node tiered-storage cluster, InService, and its agent."""
-    from domain.provisioning import find_agent_pids
+    from infra.processes import find_agent_pids
 
     client = sagemaker_client(server.endpoint, read_timeout=60)
     client.create_cluster(

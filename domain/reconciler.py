@@ -439,7 +439,7 @@ class Reconciler:
             unregistered = {
                 node.id for node in nodes if node.status == NodeStatus.PENDING and node.token_hash is None
             }
-            running = self.provisioner.adopt_agents(unregistered=unregistered)
+            running = self.provisioner.adopt_agents(live=[n.id for n in nodes], unregistered=unregistered)
             if running is None:
                 return  # agents started elsewhere come back by themselves
             # A node lost to a NodeLoss fault stays lost (the heartbeat timeout fails it), as when

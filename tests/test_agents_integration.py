@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from domain.instance_types import instance_memory_bytes
-from domain.provisioning import find_agent_pids
+from infra.processes import find_agent_pids
 from tests.conftest import (
     EKS,
     ControlPlane,

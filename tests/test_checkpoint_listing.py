@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from domain.provisioning import find_agent_pids
+from infra.processes import find_agent_pids
 from sdk.client import ClusterError, HyperPodClient
 from tests.conftest import ControlPlane, wait_for
 from tests.test_memory_tier import cluster, create_namespace, put, replicated, url

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from domain.provisioning import find_agent_pids
+from infra.processes import find_agent_pids
 from sdk.client import ClusterError, HyperPodClient
 from tests.conftest import ControlPlane, shm_root_for, wait_for
 from tests.test_cli import hpsim, ok

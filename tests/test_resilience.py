@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from torch.distributed.checkpoint import save
 
-from domain.provisioning import find_agent_pids
+from infra.processes import find_agent_pids
 from sdk.agent import discover_agent_url
 from sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
 from sdk.client import HyperPodClient

@@ -27,8 +27,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from torch.distributed.checkpoint import save
 
-from domain.provisioning import find_agent_pids
 from domain.reconciler import Reconciler
+from infra.processes import find_agent_pids
 from sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
 from sdk.client import HyperPodClient
 from tests.conftest import (

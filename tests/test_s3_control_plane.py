@@ -25,9 +25,9 @@ from pydantic import SecretStr
 from agents.control_plane import ControlPlaneClient
 from agents.loop import AgentLoop, Backoff, Identity
 from agents.state import AgentState
-from domain.provisioning import find_agent_pids
 from hyperpod_sim.embedded_s3 import DUMMY_CREDENTIALS, agent_credentials, start_moto_s3
 from hyperpod_sim.settings import S3Settings
+from infra.processes import find_agent_pids
 from tests.conftest import (
     EKS,
     ControlPlane,
