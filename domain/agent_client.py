@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 from agents.partition import CONTROL_PLANE_AGENT
 
+_CLOSED = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
 
 class AgentUnreachable(Exception):
     """The agent could not be asked, or its reply was not HTTP."""
@@ -71,19 +73,25 @@ class AgentConnection:
         if body is not None:
             payload = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
-        try:
-            connection = self._connect()
-            if connection.sock is not None:
-                connection.sock.settimeout(self._timeout if timeout is None else timeout)
-            connection.request(method, path, body=payload, headers=headers)
-            response = connection.getresponse()
-            text = response.read().decode(errors="replace")
-        except (OSError, http.client.HTTPException) as exc:
-            self.close()
-            raise AgentUnreachable(f"{type(exc).__name__}: {exc}") from exc
-        if response.will_close:
-            self.close()
-        return Answer(response.status, text)
+        for attempt in (1, 2):
+            reused = self._connection is not None
+            try:
+                connection = self._connect()
+                if connection.sock is not None:
+                    connection.sock.settimeout(self._timeout if timeout is None else timeout)
+                connection.request(method, path, body=payload, headers=headers)
+                response = connection.getresponse()
+                text = response.read().decode(errors="replace")
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                # A kept-alive connection the agent closed meanwhile: once more on a new one.
+                if reused and attempt == 1 and isinstance(exc, _CLOSED):
+                    continue
+                raise AgentUnreachable(f"{type(exc).__name__}: {exc}") from exc
+            if response.will_close:
+                self.close()
+            return Answer(response.status, text)
+        raise AssertionError("unreachable")
 
     def _connect(self) -> http.client.HTTPConnection:
         if self._connection is None:

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from agents.partition import CONTROL_PLANE_AGENT
+from domain.agent_client import AgentConnection, AgentUnreachable
 from domain.checkpoint_policy import CheckpointPolicy
 from domain.errors import ResourceNotFound
 from domain.lifecycle import NodeStatus
@@ -145,17 +144,10 @@ class CheckpointCatalog:
     def __init__(self, *, db: Database, config: CheckpointListingConfig | None = None) -> None:
         self.db = db
         self.config = config or CheckpointListingConfig()
-        self._http = httpx.Client(
-            timeout=self.config.agent_timeout_s,
-            trust_env=False,
-            limits=httpx.Limits(max_connections=self.config.workers),
-            headers={"User-Agent": CONTROL_PLANE_AGENT},
-        )
         self._pool = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="checkpoints")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._http.close()
 
     def list_checkpoints(self, *, name: str) -> ClusterCheckpoints:
         """Every namespace of the cluster (by name or ARN) with its steps, newest first."""
@@ -182,8 +174,7 @@ class CheckpointCatalog:
             ]
         if not namespaces:
             return ClusterCheckpoints(cluster_name, [], [])
-        headers = {"Authorization": f"Bearer {token}"}
-        answers = list(self._pool.map(lambda agent: self._indexes(agent[1], namespaces, headers), agents))
+        answers = list(self._pool.map(lambda agent: self._indexes(agent[1], namespaces, token), agents))
         reachable = [
             (agent, found) for agent, found in zip(agents, answers, strict=True) if found is not None
         ]
@@ -191,47 +182,43 @@ class CheckpointCatalog:
         endpoints = [endpoint for (_, endpoint), _ in reachable]
         s3_steps: list[set[int]] = [set() for _ in namespaces]
         if has_s3 and endpoints:
-            s3_steps = list(
-                self._pool.map(lambda ns: self._s3_steps(endpoints, ns.name, headers), namespaces)
-            )
+            s3_steps = list(self._pool.map(lambda ns: self._s3_steps(endpoints, ns.name, token), namespaces))
         listed = [
             _locate(ns, [(node_id, found[ns.name]) for (node_id, _), found in reachable], on_s3)
             for ns, on_s3 in zip(namespaces, s3_steps, strict=True)
         ]
         return ClusterCheckpoints(cluster_name, listed, unreachable)
 
-    def _indexes(
-        self, endpoint: str, namespaces: list[_Namespace], headers: dict[str, str]
-    ) -> dict[str, _Index] | None:
-        """One agent's index of every namespace; None as soon as one call fails (the agent is
-        left out: a hung one must not cost a timeout per namespace)."""
+    def _indexes(self, endpoint: str, namespaces: list[_Namespace], token: str) -> dict[str, _Index] | None:
+        """One agent's index of every namespace, over one connection; None as soon as one call
+        fails (the agent is left out: a hung one must not cost a timeout per namespace)."""
         found: dict[str, _Index] = {}
-        for namespace in namespaces:
-            try:
-                response = self._http.get(
-                    f"{endpoint}/v1/internal/index/{quote(namespace.name, safe='')}", headers=headers
-                )
-                if response.status_code != 200:
-                    return None
-                doc = response.json()
-                found[namespace.name] = _Index(_steps(doc.get("primary")), _steps(doc.get("replica")))
-            except (httpx.HTTPError, ValueError, TypeError, AttributeError):
-                return None
+        try:
+            with AgentConnection(endpoint, token=token, timeout=self.config.agent_timeout_s) as agent:
+                for namespace in namespaces:
+                    answer = agent.call("GET", f"/v1/internal/index/{quote(namespace.name, safe='')}")
+                    if answer.status != 200:
+                        return None
+                    doc = answer.json()
+                    found[namespace.name] = _Index(_steps(doc.get("primary")), _steps(doc.get("replica")))
+        except (AgentUnreachable, ValueError, TypeError, AttributeError):
+            return None
         return found
 
-    def _s3_steps(self, endpoints: list[str], name: str, headers: dict[str, str]) -> set[int]:
+    def _s3_steps(self, endpoints: list[str], name: str, token: str) -> set[int]:
         """The namespace's steps committed on S3, from the first agent that answers (every agent
         of the cluster persists to the same place)."""
-        timeout = httpx.Timeout(self.config.s3_timeout_s, connect=self.config.agent_timeout_s)
         for endpoint in endpoints:
             try:
-                response = self._http.get(
-                    f"{endpoint}/v1/internal/s3-steps/{quote(name, safe='')}",
-                    headers=headers,
-                    timeout=timeout,
-                )
-                if response.status_code == 200:
-                    return {int(step) for step in response.json()["steps"]}
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                with AgentConnection(
+                    endpoint,
+                    token=token,
+                    timeout=self.config.s3_timeout_s,
+                    connect_timeout=self.config.agent_timeout_s,
+                ) as agent:
+                    answer = agent.call("GET", f"/v1/internal/s3-steps/{quote(name, safe='')}")
+                if answer.status == 200:
+                    return {int(step) for step in answer.json()["steps"]}
+            except (AgentUnreachable, ValueError, KeyError, TypeError):
                 continue
         return set()
