@@ -198,7 +198,7 @@ class Reconciler:
             ).one_or_none()
             if cluster is None:  # gone, or another control plane holds it
                 return Outcome()
-            outcome = self._step(session, cluster)
+            outcome = self.step(session, cluster)
         if outcome.launches:
             self._launch_agents(cluster_id, outcome.launches)
             outcome.again = outcome.changed = True
@@ -210,13 +210,15 @@ class Reconciler:
             outcome.again = outcome.changed = True
         return outcome
 
-    def _step(self, session: Session, cluster: Cluster) -> Outcome:
+    # ------------------------------------------------------------------ phases
+
+    def step(self, session: Session, cluster: Cluster) -> Outcome:
         """One pass over a locked cluster, phase by phase; what they did together."""
         now = self.clock.now()
-        outcome = self._remove_stopped_nodes(session, cluster)
+        outcome = self.remove_stopped_nodes(session, cluster)
         if cluster.status == ClusterStatus.DELETING:
-            return outcome.merge(self._delete_cluster(session, cluster, now))
-        outcome.merge(self._end_faults(session, cluster, now))
+            return outcome.merge(self.finish_deletion(session, cluster, now))
+        outcome.merge(self.end_faults(session, cluster, now))
         if self.provisioner.uses_agents:
             restarts = self.health.restart_crashed_agents(session, cluster, now)
             outcome.merge(restarts)
@@ -231,17 +233,17 @@ class Reconciler:
                 )
             )
         members_before = _members(cluster)
-        outcome.merge(self._drain_deleted_groups(session, cluster, now))
-        outcome.merge(self._scale_groups(session, cluster, now))
+        outcome.merge(self.drain_deleted_groups(session, cluster, now))
+        outcome.merge(self.scale_groups(session, cluster, now))
         # The node set changed outside an update (a scale step after BatchDeleteClusterNodes, ...):
         # the replica ring changed, so every node needs a new policy generation.
         if _members(cluster) != members_before and cluster.status == ClusterStatus.IN_SERVICE:
             bump_generation(cluster)
         if self.provisioner.uses_agents:
             outcome.merge(claim_pushes(cluster, now, self.pusher.config))
-        return outcome.merge(self._settle_status(session, cluster, now, converged=outcome.converged))
+        return outcome.merge(self.settle_status(session, cluster, now, converged=outcome.converged))
 
-    def _remove_stopped_nodes(self, session: Session, cluster: Cluster) -> Outcome:
+    def remove_stopped_nodes(self, session: Session, cluster: Cluster) -> Outcome:
         """Nodes that are shutting down go away once their agent has stopped. An agent told to
         stop drains its unpersisted checkpoints to S3 first, calling the control plane as it does
         (namespaces, events): so the node's row, and a deleted cluster's, stay until then. The
@@ -257,7 +259,7 @@ class Reconciler:
                 outcome.changed = True
         return outcome
 
-    def _delete_cluster(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
+    def finish_deletion(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
         """A Deleting cluster shuts its nodes down; once they are gone, so is it (tags included)."""
         outcome = Outcome(converged=False)
         for node in cluster.nodes:
@@ -270,7 +272,7 @@ class Reconciler:
             outcome.changed = True
         return outcome
 
-    def _end_faults(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
+    def end_faults(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
         """Faults whose duration is over end (domain/faults.py)."""
         changed, due = faults.end_due_faults(
             session, ids=self.ids, now=now, cluster=cluster, provisioner=self.provisioner
@@ -280,7 +282,7 @@ class Reconciler:
             outcome.note_due(due)
         return outcome
 
-    def _drain_deleted_groups(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
+    def drain_deleted_groups(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
         """Groups being deleted shut their nodes down, then disappear."""
         outcome = Outcome()
         live = _live_by_group(cluster)
@@ -296,7 +298,7 @@ class Reconciler:
             outcome.changed = outcome.again = True
         return outcome
 
-    def _scale_groups(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
+    def scale_groups(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
         """Scale each group to its target, and bring pending nodes up, in the same pass: with no
         launch delay a simulated cluster goes Creating -> InService in one transaction. Converged:
         every group at its target, every node Running with the current policy."""
@@ -346,7 +348,7 @@ class Reconciler:
             )
         return by_preference[surplus:]
 
-    def _settle_status(
+    def settle_status(
         self, session: Session, cluster: Cluster, now: datetime, *, converged: bool
     ) -> Outcome:
         """Status follows convergence: a Creating or Updating cluster that converged is InService,

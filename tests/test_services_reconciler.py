@@ -1,0 +1,316 @@
+"""The reconciler's phases, each on its own: no HTTP, a real SQLite database, a manual clock and a
+fake provisioner (tests/service_fakes.py). Each phase runs in a transaction of the test's, on the
+locked cluster as ``Reconciler.step`` would, and its Outcome says what it did."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TypeVar
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from domain import events
+from domain.clusters import ClusterService
+from domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus
+from domain.outcome import Outcome
+from domain.pushes import claim_pushes
+from domain.reconciler import Reconciler
+from models import Cluster, Database, Node
+from tests.conftest import EKS, ManualClock, free_port, group
+from tests.service_fakes import (
+    CountingIds,
+    FakeProvisioner,
+    clock,
+    cluster_service,
+    db,
+    descriptions,
+    ids,
+    load,
+    make_reconciler,
+)
+
+__all__ = ["clock", "db", "ids"]  # fixtures
+
+T = TypeVar("T")
+
+
+@pytest.fixture
+def service(db: Database, clock: ManualClock, ids: CountingIds) -> ClusterService:
+    return cluster_service(db, clock, ids)
+
+
+@contextmanager
+def locked(db: Database, name: str) -> Iterator[tuple[Session, Cluster]]:
+    with db.write() as session:
+        cluster = session.scalars(
+            select(Cluster)
+            .where(Cluster.name == name)
+            .options(selectinload(Cluster.instance_groups), selectinload(Cluster.nodes))
+            .with_for_update()
+        ).one()
+        yield session, cluster
+
+
+def phase(db: Database, name: str, run: Callable[[Session, Cluster], T]) -> T:
+    with locked(db, name) as (session, cluster):
+        return run(session, cluster)
+
+
+def statuses(db: Database, name: str) -> list[str]:
+    return sorted(n.status for n in load(db, name).nodes)
+
+
+def test_scale_groups_launches_to_the_target_and_brings_nodes_up(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    service.create_cluster(name="sim", instance_groups=[group("a", 2)])
+    provisioner = FakeProvisioner(ready=False)
+    reconciler = make_reconciler(db, clock, ids, provisioner)
+    outcome = phase(db, "sim", lambda s, c: reconciler.scale_groups(s, c, clock.now()))
+    assert (outcome.changed, outcome.converged, outcome.launches) == (True, False, [])  # no agents
+    assert outcome.due == clock.now()  # the launch delay (0 s) is over at once
+    assert statuses(db, "sim") == ["Pending", "Pending"]
+    provisioner.ready = True
+    outcome = phase(db, "sim", lambda s, c: reconciler.scale_groups(s, c, clock.now()))
+    assert (outcome.changed, outcome.converged) == (True, True)
+    assert statuses(db, "sim") == ["Running", "Running"]
+
+
+def test_scale_groups_with_agents_asks_for_launches(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    service.create_cluster(name="agents", instance_groups=[group("a", 2)])
+    reconciler = make_reconciler(db, clock, ids, FakeProvisioner(uses_agents=True))
+    outcome = phase(db, "agents", lambda s, c: reconciler.scale_groups(s, c, clock.now()))
+    nodes = load(db, "agents").nodes
+    assert sorted(outcome.launches) == sorted(n.id for n in nodes)
+    assert not outcome.converged  # nobody registered yet
+    assert [n.slot for n in sorted(nodes, key=lambda n: n.slot)] == [0, 1]
+
+
+def test_scale_down_shuts_down_failed_then_pending_then_newest(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    service.create_cluster(name="big", instance_groups=[group("a", 4)])
+    reconciler = make_reconciler(db, clock, ids, FakeProvisioner())
+    reconciler.run_once()
+    with locked(db, "big") as (session, cluster):
+        oldest, _, _, newest = sorted(cluster.nodes, key=lambda n: n.id)
+        events.move(session, oldest, NodeStatus.FAILURE, ids=ids, now=clock.now())
+        cluster.instance_groups[0].target_count = 2
+        newest.launch_time = clock.now() + timedelta(seconds=1)
+        outcome = reconciler.scale_groups(session, cluster, clock.now())
+    assert (outcome.changed, outcome.converged, outcome.again) == (True, False, True)
+    shut = {n.id for n in load(db, "big").nodes if n.status == NodeStatus.SHUTTING_DOWN}
+    assert shut == {oldest.id, newest.id}
+    assert f"Node {newest.id} is shutting down (scale-down)." in descriptions(db, "big")
+
+
+def test_remove_stopped_nodes_waits_for_the_agent(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    service.create_cluster(name="one", instance_groups=[group("a", 2)])
+    provisioner = FakeProvisioner()
+    reconciler = make_reconciler(db, clock, ids, provisioner)
+    reconciler.run_once()
+    victim = load(db, "one").nodes[0].id
+    service.batch_delete_cluster_nodes(name="one", node_ids=[victim])
+    provisioner.still_running.add(victim)
+    outcome = phase(db, "one", reconciler.remove_stopped_nodes)
+    assert not outcome.changed
+    assert provisioner.terminated == [victim]
+    provisioner.still_running.clear()
+    outcome = phase(db, "one", reconciler.remove_stopped_nodes)
+    assert outcome.changed
+    assert provisioner.terminated == [victim, victim]  # asked again each pass: idempotent
+    assert victim not in {n.id for n in load(db, "one").nodes}
+
+
+def test_drain_deleted_groups_then_remove_them(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    service.create_cluster(name="one", instance_groups=[group("a", 1), group("b", 2)])
+    reconciler = make_reconciler(db, clock, ids, FakeProvisioner())
+    reconciler.run_once()
+    service.update_cluster(name="one", instance_groups_to_delete=["b"])
+    outcome = phase(db, "one", lambda s, c: reconciler.drain_deleted_groups(s, c, clock.now()))
+    assert (outcome.changed, outcome.again) == (True, True)
+    cluster = load(db, "one")
+    assert sorted((n.group_name, n.status) for n in cluster.nodes) == [
+        ("a", "Running"),
+        ("b", "ShuttingDown"),
+        ("b", "ShuttingDown"),
+    ]
+    phase(db, "one", reconciler.remove_stopped_nodes)
+    phase(db, "one", lambda s, c: reconciler.drain_deleted_groups(s, c, clock.now()))
+    assert [g.name for g in load(db, "one").instance_groups] == ["a"]
+
+
+def test_settle_status_only_when_converged(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    service.create_cluster(name="one", instance_groups=[group("a", 1)])
+    reconciler = make_reconciler(db, clock, ids, FakeProvisioner())
+    settle = reconciler.settle_status
+    assert phase(db, "one", lambda s, c: settle(s, c, clock.now(), converged=False)) == Outcome()
+    assert load(db, "one").status == ClusterStatus.CREATING
+    assert phase(db, "one", lambda s, c: settle(s, c, clock.now(), converged=True)).changed
+    cluster = load(db, "one")
+    assert (cluster.status, cluster.instance_groups[0].status) == ("InService", GroupStatus.IN_SERVICE)
+    assert "Cluster is InService with 0 nodes." in descriptions(db, "one")
+
+
+def test_finish_deletion_shuts_nodes_down_then_removes_the_cluster(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    service.create_cluster(name="one", instance_groups=[group("a", 2)], tags=[{"Key": "k", "Value": "v"}])
+    reconciler = make_reconciler(db, clock, ids, FakeProvisioner())
+    reconciler.run_once()
+    service.delete_cluster(name="one")
+    outcome = phase(db, "one", lambda s, c: reconciler.finish_deletion(s, c, clock.now()))
+    assert (outcome.changed, outcome.again, outcome.converged) == (True, True, False)
+    assert statuses(db, "one") == ["ShuttingDown", "ShuttingDown"]
+    phase(db, "one", reconciler.remove_stopped_nodes)
+    phase(db, "one", lambda s, c: reconciler.finish_deletion(s, c, clock.now()))
+    with db.read() as session:
+        assert session.scalars(select(Cluster)).all() == []
+
+
+def registered(db: Database, name: str, clock: ManualClock, *, acked: int = 1) -> list[Node]:
+    """Every node of ``name`` as if its agent had registered and applied generation ``acked``."""
+    with locked(db, name) as (_, cluster):
+        for node in cluster.nodes:
+            node.registered_at = node.last_heartbeat = clock.now()
+            node.endpoint = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+            node.push_token = "push-token"
+            node.token_hash = "registered"  # the digest of a node token it holds
+            node.acked_generation = acked
+    return load(db, name).nodes
+
+
+def agents_cluster(service: ClusterService, db: Database, reconciler: Reconciler, **extra: object) -> None:
+    service.create_cluster(name="one", instance_groups=[group("a", 2)], orchestrator=EKS, **extra)  # type: ignore[arg-type]
+    phase(db, "one", lambda s, c: reconciler.scale_groups(s, c, reconciler.clock.now()))
+
+
+def test_detect_failures_fails_silent_nodes_and_replaces_them(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    reconciler = make_reconciler(db, clock, ids, FakeProvisioner(uses_agents=True))
+    agents_cluster(service, db, reconciler)
+    silent, _ = registered(db, "one", clock)
+    clock.advance(5)
+    with locked(db, "one") as (_, cluster):
+        next(n for n in cluster.nodes if n.id != silent.id).last_heartbeat = clock.now()
+
+    def detect(session: Session, cluster: Cluster) -> Outcome:
+        return reconciler.health.detect_failures(
+            session,
+            cluster,
+            clock.now(),
+            back=clock.now() - timedelta(hours=1),
+            restart_pending=set(),
+            started_again_and_silent=lambda node: False,
+        )
+
+    outcome = phase(db, "one", detect)
+    assert not outcome.changed
+    assert outcome.due == silent.last_heartbeat + timedelta(seconds=10)  # its heartbeat deadline
+    clock.advance(5)
+    outcome = phase(db, "one", detect)
+    assert (outcome.changed, outcome.again) == (True, True)
+    cluster = load(db, "one")
+    assert cluster.generation == 2  # the ring changed
+    by_id = {n.id: n for n in cluster.nodes}
+    assert by_id[silent.id].status == NodeStatus.SHUTTING_DOWN
+    assert by_id[silent.id].status_message == "Node failed: no heartbeat from its agent for 10 s."
+    (replacement,) = outcome.launches
+    assert (by_id[replacement].status, by_id[replacement].slot) == ("Pending", silent.slot)
+    texts = descriptions(db, "one")
+    assert f"Node {silent.id} failed: no heartbeat from its agent for 10 s." in texts
+    assert f"Node {silent.id} is replaced by {replacement} (NodeRecovery: Automatic)." in texts
+
+
+def test_restart_crashed_agents_with_a_backoff(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    provisioner = FakeProvisioner(uses_agents=True, owns_agents=True)
+    reconciler = make_reconciler(db, clock, ids, provisioner)
+    agents_cluster(service, db, reconciler)
+    crashed, _ = registered(db, "one", clock)
+    provisioner.exited = {crashed.id}
+
+    def restart(session: Session, cluster: Cluster) -> Outcome:
+        return reconciler.health.restart_crashed_agents(session, cluster, clock.now())
+
+    outcome = phase(db, "one", restart)
+    assert (outcome.launches, outcome.restart_pending) == ([crashed.id], set())
+    clock.advance(0.5)  # crashed again at once: it waits out its backoff (1 s), and is not failed
+    outcome = phase(db, "one", restart)
+    assert (outcome.launches, outcome.restart_pending) == ([], {crashed.id})
+    assert outcome.due is not None
+    clock.advance(0.5)
+    outcome = phase(db, "one", restart)
+    assert outcome.launches == [crashed.id]
+    node = {n.id: n for n in load(db, "one").nodes}[crashed.id]
+    assert node.agent_restarts == 2
+    assert f"The agent of node {crashed.id} exited unexpectedly; restarting it (restart 2 in a row)." in (
+        descriptions(db, "one")
+    )
+
+
+def test_claim_pushes_claims_each_behind_node_once(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    reconciler = make_reconciler(db, clock, ids, FakeProvisioner(uses_agents=True))
+    agents_cluster(service, db, reconciler, tiered_storage={"Mode": "Enable"})
+    behind, current = registered(db, "one", clock, acked=0)
+    with locked(db, "one") as (_, cluster):
+        next(n for n in cluster.nodes if n.id == current.id).acked_generation = 1
+    outcome = phase(db, "one", lambda s, c: claim_pushes(c, clock.now(), reconciler.pusher.config))
+    (push,) = outcome.pushes
+    assert (push.node_id, push.token, push.policy["generation"]) == (behind.id, "push-token", 1)
+    # Claimed: the next pass leaves it to the push in flight, until the claim runs out.
+    outcome = phase(db, "one", lambda s, c: claim_pushes(c, clock.now(), reconciler.pusher.config))
+    assert outcome.pushes == []
+    assert outcome.due == clock.now() + timedelta(seconds=2)
+
+
+def test_a_push_to_an_unreachable_agent_backs_off(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    reconciler = make_reconciler(db, clock, ids, FakeProvisioner(uses_agents=True))
+    agents_cluster(service, db, reconciler)
+    registered(db, "one", clock, acked=0)
+    try:
+        outcome = reconciler.reconcile(load(db, "one").id)
+    finally:
+        reconciler.pusher.close()
+    assert len(outcome.pushes) == 2
+    for node in load(db, "one").nodes:
+        assert (node.push_attempts, node.push_claimed_until) == (1, None)
+        assert node.next_push_at == clock.now() + timedelta(seconds=1)
+        assert node.last_error is not None
+        assert node.last_error.startswith("policy push of generation 1 failed: ConnectionRefusedError")
+
+
+def test_adoption_at_start(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    provisioner = FakeProvisioner(uses_agents=True, owns_agents=True)
+    first = make_reconciler(db, clock, ids, provisioner)
+    agents_cluster(service, db, first)
+    kept, gone = registered(db, "one", clock)
+    provisioner.adoptable = {kept.id}
+    restarted = make_reconciler(db, clock, ids, provisioner)
+    restarted.run_once()
+    assert provisioner.adopt_calls == [({kept.id, gone.id}, set())]
+    assert provisioner.launched == [gone.id]  # started again; the other is adopted as it runs
+    assert (
+        "The control plane started: the agent of 1 node kept running and were adopted; the agent of 1 "
+        "node were started again on their nodes (same node ids, same shared-memory directories)."
+    ) in descriptions(db, "one")
