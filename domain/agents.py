@@ -10,19 +10,15 @@ heartbeat, pull or report events for another node. A missing token is 401, a wro
 from __future__ import annotations
 
 import hmac
-import ipaddress
-import json
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, selectinload
 
 from domain import credentials, events
+from domain.agent_inputs import check_endpoint, check_s3_status
 from domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
 from domain.clock import Clock, Ids
 from domain.errors import AgentProtocolError
@@ -33,118 +29,7 @@ from models import CheckpointNamespace, Cluster, Database, Node
 
 LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
 MAX_RANKS = 1_000_000
-# The heartbeat's `s3` member is stored with the node on every heartbeat: keep it small.
-MAX_S3_STATUS_BYTES = 8 * 1024
 MAX_EVENT_MESSAGE = 2048
-# Members of the heartbeat's `s3` object, by the JSON type each must have; others are ignored
-# (a newer agent may report more than this control plane shows).
-S3_STATUS_COUNTERS = ("pending_steps", "persisted_steps_total", "failures_total")
-
-
-def _s3_problem(status: dict[str, Any]) -> str | None:
-    """What is wrong with a heartbeat's ``s3`` object, or None."""
-    for member in S3_STATUS_COUNTERS:
-        value = status.get(member)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            return f"s3.{member} must be a non-negative integer, got {value!r}"
-    lag = status.get("lag_seconds")
-    if lag is not None and (
-        isinstance(lag, bool) or not isinstance(lag, int | float) or not math.isfinite(lag) or lag < 0
-    ):
-        return f"s3.lag_seconds must be a non-negative number, got {lag!r}"
-    persisted = status.get("last_persisted")
-    if persisted is not None:
-        if not isinstance(persisted, dict):
-            return f"s3.last_persisted must be an object of namespace -> step, got {persisted!r}"
-        for namespace, step in persisted.items():
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                return f"s3.last_persisted[{namespace!r}] must be a non-negative integer, got {step!r}"
-    error = status.get("last_error")
-    if error is not None and not isinstance(error, str):
-        return f"s3.last_error must be a string or null, got {error!r}"
-    return None
-
-
-def check_s3_status(status: object) -> dict[str, Any] | None:
-    """The heartbeat's ``s3`` member as stored: None, or the object with its known members.
-
-    Refused (400) when it is not an object or null, is over MAX_S3_STATUS_BYTES as JSON, or a
-    known member has the wrong type: what is stored is shown in DescribeClusterNode as is.
-    """
-    if status is None:
-        return None
-    if not isinstance(status, dict):
-        raise AgentProtocolError(
-            400, "InvalidS3Status", f"s3 must be an object or null, got {type(status).__name__}."
-        )
-    size = len(json.dumps(status, separators=(",", ":")).encode())
-    if size > MAX_S3_STATUS_BYTES:
-        raise AgentProtocolError(
-            400, "InvalidS3Status", f"s3 is {size} bytes of JSON; at most {MAX_S3_STATUS_BYTES} are accepted."
-        )
-    problem = _s3_problem(status)
-    if problem is not None:
-        raise AgentProtocolError(400, "InvalidS3Status", problem + ".")
-    known = (*S3_STATUS_COUNTERS, "lag_seconds", "last_persisted", "last_error")
-    return {member: status[member] for member in known if member in status}
-
-
-MAX_ENDPOINT = 256  # the column's size
-_HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$"
-)
-
-
-def _invalid_endpoint(endpoint: str, why: str) -> AgentProtocolError:
-    shown = endpoint if len(endpoint) <= 100 else endpoint[:100] + "..."
-    return AgentProtocolError(400, "InvalidEndpoint", f"endpoint {shown!r} is not valid: {why}.")
-
-
-def check_endpoint(endpoint: str, *, loopback_only: bool) -> str:
-    """The endpoint an agent registered (or heartbeated) with, checked: ``http://HOST:PORT`` with
-    a port 1..65535 and nothing after it. With ``loopback_only`` (local provisioner: its agents run
-    on this machine) HOST is a loopback address or ``localhost``; otherwise a host name or an IP
-    address that is not unspecified (0.0.0.0, ::), multicast or link-local (169.254.0.0/16, where
-    cloud metadata services answer). The control plane connects to it for every policy push."""
-    if len(endpoint) > MAX_ENDPOINT:
-        raise _invalid_endpoint(
-            endpoint, f"it is {len(endpoint)} characters long, at most {MAX_ENDPOINT} are allowed"
-        )
-    try:
-        url = urlsplit(endpoint)
-        port = url.port
-    except ValueError as exc:
-        raise _invalid_endpoint(endpoint, f"{exc}; the port must be 1 to 65535") from None
-    if url.scheme != "http":
-        raise _invalid_endpoint(endpoint, "the scheme must be http")
-    if url.username is not None or url.password is not None:
-        raise _invalid_endpoint(endpoint, "it must not carry credentials")
-    if url.path not in ("", "/") or url.query or url.fragment:
-        raise _invalid_endpoint(endpoint, "it must be http://HOST:PORT, without a path, query or fragment")
-    host = (url.hostname or "").lower()
-    if not host:
-        raise _invalid_endpoint(endpoint, "it has no host")
-    if port is None or not 1 <= port <= 65535:
-        raise _invalid_endpoint(endpoint, "the port must be given, 1 to 65535")
-    try:
-        address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
-    except ValueError:
-        address = None
-    if loopback_only:
-        if host != "localhost" and (address is None or not address.is_loopback):
-            raise _invalid_endpoint(
-                endpoint,
-                "agents of the local provisioner listen on this machine: the host must be a "
-                "loopback address (127.0.0.0/8, ::1) or localhost",
-            )
-    elif address is not None:
-        if address.is_unspecified or address.is_multicast or address.is_link_local:
-            raise _invalid_endpoint(
-                endpoint, "the host must not be an unspecified, multicast or link-local address"
-            )
-    elif not _HOSTNAME.match(host):
-        raise _invalid_endpoint(endpoint, "the host is neither an IP address nor a valid host name")
-    return endpoint.rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -309,47 +194,9 @@ class AgentService:
         with self.db.write() as session:
             cluster = self._cluster(session, cluster_name, lock=True)
             if node_id is not None:
-                if not token:
-                    raise _missing_token("the node's launch secret")
-                node = self._node(cluster, node_id)
-                if not credentials.matches(token, node.launch_secret_hash):
-                    why = (
-                        "which this is not"
-                        if node.launch_secret_hash is not None
-                        else "and none is outstanding (it was used, or no agent was launched for it)"
-                    )
-                    raise AgentProtocolError(
-                        403,
-                        "InvalidNodeSecret",
-                        f"Node {node_id} registers only with the launch secret the control plane "
-                        f"handed to the agent it started for it, {why}.",
-                    )
+                node = self._launched_node(cluster, node_id, token)
             else:
-                check_token(token, cluster.bootstrap_token)
-                if self.config.local_agents:
-                    raise AgentProtocolError(
-                        403,
-                        "BootstrapNotAccepted",
-                        "This control plane starts the agent of every node itself (local provisioner); "
-                        "each registers with its own launch secret. The bootstrap token registers agents "
-                        "only with HPSIM_PROVISIONING__MODE=external.",
-                    )
-                slots = sorted(
-                    (
-                        n
-                        for n in cluster.nodes
-                        if n.status == NodeStatus.PENDING
-                        and n.endpoint is None
-                        and n.token_hash is None
-                        and n.launch_secret_hash is None
-                    ),
-                    key=lambda n: (n.launch_time, n.id),
-                )
-                if not slots:
-                    raise AgentProtocolError(
-                        409, "NoPendingSlot", f"Cluster '{cluster.name}' has no node waiting for an agent."
-                    )
-                node = slots[0]
+                node = self._pending_slot(cluster, token)
             rebinding = node.endpoint is not None and node.endpoint != endpoint
             node_token, control_plane_token = credentials.issue_tokens(node)
             node.endpoint = endpoint
@@ -380,6 +227,54 @@ class AgentService:
             }
         self.on_change()
         return answer
+
+    def _launched_node(self, cluster: Cluster, node_id: str, token: str | None) -> Node:
+        """The node the local provisioner launched an agent for, if ``token`` is its launch secret."""
+        if not token:
+            raise _missing_token("the node's launch secret")
+        node = self._node(cluster, node_id)
+        if not credentials.matches(token, node.launch_secret_hash):
+            why = (
+                "which this is not"
+                if node.launch_secret_hash is not None
+                else "and none is outstanding (it was used, or no agent was launched for it)"
+            )
+            raise AgentProtocolError(
+                403,
+                "InvalidNodeSecret",
+                f"Node {node_id} registers only with the launch secret the control plane "
+                f"handed to the agent it started for it, {why}.",
+            )
+        return node
+
+    def _pending_slot(self, cluster: Cluster, token: str | None) -> Node:
+        """The oldest pending node slot that no agent holds, for an external agent with the
+        bootstrap token."""
+        check_token(token, cluster.bootstrap_token)
+        if self.config.local_agents:
+            raise AgentProtocolError(
+                403,
+                "BootstrapNotAccepted",
+                "This control plane starts the agent of every node itself (local provisioner); "
+                "each registers with its own launch secret. The bootstrap token registers agents "
+                "only with HPSIM_PROVISIONING__MODE=external.",
+            )
+        slots = sorted(
+            (
+                n
+                for n in cluster.nodes
+                if n.status == NodeStatus.PENDING
+                and n.endpoint is None
+                and n.token_hash is None
+                and n.launch_secret_hash is None
+            ),
+            key=lambda n: (n.launch_time, n.id),
+        )
+        if not slots:
+            raise AgentProtocolError(
+                409, "NoPendingSlot", f"Cluster '{cluster.name}' has no node waiting for an agent."
+            )
+        return slots[0]
 
     def heartbeat(
         self,

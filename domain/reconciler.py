@@ -348,9 +348,7 @@ class Reconciler:
             )
         return by_preference[surplus:]
 
-    def settle_status(
-        self, session: Session, cluster: Cluster, now: datetime, *, converged: bool
-    ) -> Outcome:
+    def settle_status(self, session: Session, cluster: Cluster, now: datetime, *, converged: bool) -> Outcome:
         """Status follows convergence: a Creating or Updating cluster that converged is InService,
         and so are its groups."""
         if not (converged and cluster.status in (ClusterStatus.CREATING, ClusterStatus.UPDATING)):
