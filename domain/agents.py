@@ -23,11 +23,10 @@ from domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
 from domain.clock import Clock, Ids
 from domain.errors import AgentProtocolError
 from domain.events import Level
-from domain.lifecycle import NodeStatus
+from domain.lifecycle import LIVE, NodeStatus
 from domain.policy import build_policy, ring
 from models import CheckpointNamespace, Cluster, Database, Node
 
-LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
 MAX_RANKS = 1_000_000
 MAX_EVENT_MESSAGE = 2048
 

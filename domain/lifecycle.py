@@ -69,6 +69,9 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     NodeStatus.SHUTTING_DOWN: frozenset(),
 }
 
+# A node's statuses while it is a member of its cluster (of the replica ring, of the policy).
+LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
+
 # Statuses in which the cluster accepts UpdateCluster / DeleteCluster / node deletion.
 MUTABLE = frozenset({ClusterStatus.IN_SERVICE})
 DELETABLE = frozenset({ClusterStatus.IN_SERVICE, ClusterStatus.FAILED})

@@ -12,8 +12,6 @@ from domain.events import Level
 from domain.lifecycle import NodeStatus
 from models import Cluster, InstanceGroup, Node
 
-LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
-
 
 def new_node(
     session: Session,

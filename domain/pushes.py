@@ -19,8 +19,7 @@ from domain.agent_client import AgentConnection, AgentUnreachable, Answer
 from domain.checkpoint_policy import S3Endpoint
 from domain.clock import Clock, Ids
 from domain.events import Level
-from domain.lifecycle import NodeStatus
-from domain.nodes import LIVE
+from domain.lifecycle import LIVE, NodeStatus
 from domain.outcome import Outcome, Push
 from domain.policy import build_policy
 from models import Cluster, Database, Node
