@@ -154,34 +154,47 @@ class LocalProvisioner:
         elsewhere: set[str] = set()
         unknown = set(live) - set(found)
         if unknown:
-            # Group leaders first: an agent's own child (a wrapper's agent) is not the one to adopt.
-            for process in sorted(agent_processes(), key=lambda p: not _leads_group(p.pid)):
-                if process.node_id not in unknown or process.node_id in found or process.node_id in elsewhere:
-                    continue
-                mine = process.data_dir is not None and process.data_dir.parent == self.data_dir / "agents"
-                started = start_time(process.pid)
-                if not mine or started is None:
-                    elsewhere.add(process.node_id)
-                    continue
-                pidfile = Pidfile(process.pid, started, process.node_id, process.control_plane or "")
-                pidfile.write(self.agent_dir(process.node_id))
-                found[process.node_id] = _Agent(pidfile)
+            unrecorded, elsewhere = self._unrecorded_agents(unknown)
+            found.update(unrecorded)
         restart = set(unregistered)
-        stale = [
-            a
+        stale = {
+            node_id: a
             for node_id, a in found.items()
             if a.pidfile.control_plane != self.control_plane_url or node_id in restart
-        ]
+        }
         if stale:
             log.warning(
                 "stopping %d agents started for another control plane address: %s",
                 len(stale),
-                ", ".join(f"{a.pidfile.node_id} (pid {a.pid}, {a.pidfile.control_plane})" for a in stale),
+                ", ".join(f"{n} (pid {a.pid}, {a.pidfile.control_plane})" for n, a in stale.items()),
             )
-            self._stop(stale)
-        adopted = {node_id: a for node_id, a in found.items() if a not in stale}
+            self._stop(stale.values())
+        adopted = {node_id: a for node_id, a in found.items() if node_id not in stale}
         self._agents.update(adopted)
         return set(adopted) | elsewhere
+
+    def _unrecorded_agents(self, node_ids: set[str]) -> tuple[dict[str, _Agent], set[str]]:
+        """The one scan of /proc, at the start, for agents of ``node_ids`` that no pidfile names:
+        those of this data dir (its control plane was killed before it wrote the pidfile), which
+        get one now, and the node ids of those of other data dirs."""
+        found: dict[str, _Agent] = {}
+        elsewhere: set[str] = set()
+        # Group leaders first: an agent's own child (a wrapper's agent) is not the one to adopt.
+        for process in sorted(agent_processes(), key=lambda p: not _leads_group(p.pid)):
+            node_id = process.node_id
+            if node_id not in node_ids or node_id in found or node_id in elsewhere:
+                continue
+            mine = process.data_dir is not None and process.data_dir.parent == self.data_dir / "agents"
+            started = start_time(process.pid)
+            if started is None:
+                continue  # gone meanwhile
+            if not mine:
+                elsewhere.add(node_id)
+                continue
+            pidfile = Pidfile(process.pid, started, node_id, process.control_plane or "")
+            pidfile.write(self.agent_dir(node_id))
+            found[node_id] = _Agent(pidfile)
+        return found, elsewhere
 
     def _pidfile_agents(self) -> dict[str, _Agent]:
         """The running agents that this data dir's pidfiles name."""

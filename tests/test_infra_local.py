@@ -16,7 +16,8 @@ from infra.processes import Pidfile, signal_group, start_time
 from models import Cluster, Node
 from tests.conftest import wait_for
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+# Its command line ends an argument with "agent", as ``hyperpod-sim agent`` does.
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)", "agent"]
 
 
 def provisioner(tmp_path: Path, url: str = "http://127.0.0.1:1") -> LocalProvisioner:
@@ -95,6 +96,11 @@ def test_a_restarted_control_plane_adopts_its_agents_and_stops_stale_ones(tmp_pa
         # On another address, the same data dir's agents cannot heartbeat: stopped.
         elsewhere = provisioner(tmp_path / "moved", url="http://127.0.0.1:3")
         assert elsewhere.adopt_agents(live=["i-moved"]) == set()
+        # A pidfile that was never written (killed right after the start): found by the one scan.
+        Pidfile.remove(first.agent_dir("i-kept"))
+        third = provisioner(tmp_path)
+        assert third.adopt_agents(live=["i-kept"]) == {"i-kept"}
+        assert Pidfile.read(first.agent_dir("i-kept")) == kept
         assert again.stop_agents() == ["i-kept"]
         assert start_time(kept.pid) is None
     finally:
