@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
-from importlib import resources
+import os
 from typing import Any
 
 __all__ = [
@@ -43,8 +43,10 @@ DISCRIMINATOR = "Type"
 @functools.lru_cache(maxsize=1)
 def document() -> dict[str, Any]:
     """The model as JSON (read once per process)."""
-    text = resources.files(__package__ or "contracts").joinpath("extensions.json").read_text("utf-8")
-    loaded: dict[str, Any] = json.loads(text)
+    # Beside this module (package data), read without importlib.resources: the CLI's parser is
+    # built on every command, and that import alone costs more than reading the file.
+    with open(os.path.join(os.path.dirname(__file__), "extensions.json"), encoding="utf-8") as file:
+        loaded: dict[str, Any] = json.load(file)
     return loaded
 
 
@@ -71,6 +73,11 @@ def members(shape: str, *, body_only: bool = True) -> tuple[str, ...]:
     ``body_only`` is false."""
     found = _shape(shape)["members"].items()
     return tuple(name for name, ref in found if not (body_only and "location" in ref))
+
+
+def required(shape: str) -> tuple[str, ...]:
+    """A structure's required member names, in model order."""
+    return tuple(_shape(shape).get("required", ()))
 
 
 def limits(shape: str) -> tuple[int | float | None, int | float | None]:
