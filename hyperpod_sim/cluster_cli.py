@@ -456,16 +456,10 @@ def _group_flags(parser: argparse.ArgumentParser, *, update: bool) -> None:
     )
 
 
-def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``cluster``, ``checkpoints`` and ``fault`` subcommands of ``hyperpod-sim``."""
-    common = common_flags()
-    cluster = sub.add_parser(
-        "cluster",
-        help="create, inspect, change and delete clusters",
-        description="The control plane's clusters, through the SDK's HyperPodClient (docs/sdk.md).",
-    )
-    commands = cluster.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
-
+def _change_parsers(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """``cluster create`` and ``cluster update``."""
     create = commands.add_parser(
         "create",
         parents=[common],
@@ -503,6 +497,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     wait_flags(update, "InService again")
     update.set_defaults(action=cluster_update)
 
+
+def _inspect_parsers(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """``cluster describe``, ``list``, ``delete``, ``nodes``, ``events`` and ``policy``."""
     describe = commands.add_parser("describe", parents=[common], help="describe a cluster")
     describe.add_argument("name", help="the cluster (name or ARN)")
     describe.add_argument("--json", action="store_true", help="the DescribeCluster answer as JSON")
@@ -548,6 +547,19 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     policy.add_argument("--json", action="store_true", help="the policy as JSON")
     wait_flags(policy, "InService again (with --set)")
     policy.set_defaults(action=cluster_policy)
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``cluster``, ``checkpoints`` and ``fault`` subcommands of ``hyperpod-sim``."""
+    common = common_flags()
+    cluster = sub.add_parser(
+        "cluster",
+        help="create, inspect, change and delete clusters",
+        description="The control plane's clusters, through the SDK's HyperPodClient (docs/sdk.md).",
+    )
+    commands = cluster.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
+    _change_parsers(commands, common)
+    _inspect_parsers(commands, common)
 
     ckpt = sub.add_parser(
         "checkpoints",
