@@ -29,6 +29,7 @@ import botocore.session
 from botocore.model import NoShapeFoundError, OperationNotFoundError
 
 from api.patterns import pattern_matches
+from contracts import extensions
 from domain.errors import (
     SerializationException,
     UnknownOperationException,
@@ -340,57 +341,37 @@ def validate_input(
 
 
 # hyperpod-sim's own members, added to AWS output structures (botocore ignores members its model
-# lacks; raw JSON and REST clients see them). Documented in the README and the OpenAPI schema.
+# lacks; raw JSON and REST clients see them). Their shapes are the extensions model's
+# (contracts/extensions.json); documented in the README and the OpenAPI schema.
 EXTENSION_MEMBERS: dict[str, frozenset[str]] = {
     "ClusterNodeDetails": frozenset({"AgentStatus"}),
     "ClusterNodeSummary": frozenset({"AgentStatus"}),
 }
 
-# JSON Schemas of the extension members, by member name (components of the OpenAPI document).
-_COUNT = {"type": "integer", "minimum": 0}
-EXTENSION_SCHEMAS: dict[str, dict[str, Any]] = {
-    "AgentStatus": {
-        "type": "object",
-        "description": "hyperpod-sim extension: the node's agent as the control plane last saw it. "
-        "boto3 drops members its model lacks: read it over REST or raw JSON.",
-        "properties": {
-            "Endpoint": {
-                "type": "string",
-                "description": "Where the agent serves its API and the in-memory checkpoint service.",
-            },
-            "AppliedPolicyGeneration": {**_COUNT, "description": "The policy generation it applied."},
-            "DesiredPolicyGeneration": {
-                **_COUNT,
-                "description": "The cluster's current policy generation (DescribeClusterNode only).",
-            },
-            "LastHeartbeatTime": {"type": "number", "description": "epoch seconds"},
-            "LastError": {"type": "string", "description": "Why the last policy push failed."},
-            "S3Tier": {
-                "type": "object",
-                "description": "The agent's S3 tier as its last heartbeat reported it; absent when "
-                "the node has no S3 tier (no S3BaseUri in the checkpoint policy).",
-                "properties": {
-                    "PendingSteps": {**_COUNT, "description": "Complete steps due for S3, not there yet."},
-                    "LagSeconds": {
-                        "type": "number",
-                        "minimum": 0,
-                        "description": "Age of the oldest step still waiting for S3.",
-                    },
-                    "PersistedStepsTotal": {**_COUNT, "description": "Steps persisted (since agent start)."},
-                    "FailuresTotal": {**_COUNT, "description": "Failed persists (since agent start)."},
-                    "LastPersistedSteps": {
-                        "type": "object",
-                        "additionalProperties": _COUNT,
-                        "description": "Namespace -> the last step persisted to S3.",
-                    },
-                    "LastError": {"type": "string", "description": "The last S3 error; absent when none."},
-                },
-                "additionalProperties": False,
-            },
-        },
-        "additionalProperties": False,
-    },
-}
+
+def _inline(schema: Any, components: dict[str, dict[str, Any]]) -> Any:
+    """``schema`` with every ``$ref`` into ``components`` replaced by what it names."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and len(schema) == 1:
+            return _inline(components[ref.rsplit("/", 1)[1]], components)
+        return {key: _inline(value, components) for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [_inline(item, components) for item in schema]
+    return schema
+
+
+@functools.lru_cache(maxsize=1)
+def extension_schemas() -> dict[str, dict[str, Any]]:
+    """JSON Schemas of the extension members, by member name (components of the OpenAPI
+    document), self-contained: rendered from their shapes in the extensions model."""
+    rendered: dict[str, dict[str, Any]] = {}
+    for names in EXTENSION_MEMBERS.values():
+        for name in names:
+            components: dict[str, dict[str, Any]] = {}
+            shape_to_json_schema(extensions.service_model().shape_for(name), components)
+            rendered[name] = _inline(components[name], components)
+    return rendered
 
 
 def _plain(value: Any) -> Any:
@@ -496,7 +477,7 @@ def _structure_component(shape: Any, components: dict[str, dict[str, Any]]) -> N
     for member_name, member in shape.members.items():
         properties[member_name] = shape_to_json_schema(member, components)
     for member_name in sorted(EXTENSION_MEMBERS.get(name, ())):
-        components.setdefault(member_name, EXTENSION_SCHEMAS[member_name])
+        components.setdefault(member_name, extension_schemas()[member_name])
         properties[member_name] = {"$ref": _ref(member_name)}
     schema: dict[str, Any] = {"type": "object", "properties": properties}
     if shape.required_members:
