@@ -274,6 +274,7 @@ for _route in ROUTES:
         _make_endpoint(_route),
         methods=[_model_operation.http["method"]],
         status_code=_model_operation.http.get("responseCode", 200),
+        response_model=None,  # the answer's schema is the model's (responses below)
         summary=_route.summary,
         description=shapes.description(_model_operation.documentation, limit=None),
         operation_id=_route.operation,
