@@ -52,6 +52,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from contracts import extensions
 from domain import events
 from domain.clock import Clock, Ids
 from domain.errors import ConflictException, ResourceNotFound, ValidationException, echo, validation_error
@@ -86,13 +87,35 @@ class FaultSpec:
     error_kind: str | None = None
 
     def __post_init__(self) -> None:
+        """What the domain relies on, for callers other than the API too: the members the type's
+        shape requires are set, and an ``error_rate`` is above 0 (which no shape can say)."""
+        errors = [
+            f"Value null at '{member[0].lower() + member[1:]}' failed to satisfy constraint: "
+            "Member must not be null"
+            for member, field in _FIELDS.items()
+            if getattr(self, field) is None and self.type in FAULT_TYPES and member in _required(self.type)
+        ]
         if self.error_rate is not None and not self.error_rate > 0:
-            raise validation_error(
-                [
-                    f"Value '{echo(self.error_rate)}' at 'errorRate' failed to satisfy constraint: "
-                    "Member must have value greater than 0"
-                ]
+            errors.append(
+                f"Value '{echo(self.error_rate)}' at 'errorRate' failed to satisfy constraint: "
+                "Member must have value greater than 0"
             )
+        if errors:
+            raise validation_error(errors)
+
+
+# Wire member -> FaultSpec field.
+_FIELDS = {
+    "InstanceId": "instance_id",
+    "DurationSeconds": "duration_s",
+    "LatencyMs": "latency_ms",
+    "ErrorRate": "error_rate",
+}
+
+
+def _required(kind: str) -> tuple[str, ...]:
+    """The members a fault type requires: its input shape's, in the extensions model."""
+    return extensions.required(f"{kind}InjectFaultRequest")
 
 
 # ---------------------------------------------------------------------- stored faults

@@ -284,3 +284,14 @@ def test_checkpoint_policy(plane: Plane) -> None:
     assert (put["PersistEverySteps"], put["InMemoryRetention"], put["PolicyGeneration"]) == (10, 3, 2)
     assert plane.cluster().status == "Updating"
     assert any("Checkpoint policy changed" in text for text in plane.descriptions())
+
+
+def test_a_spec_holds_what_its_type_requires(plane: Plane) -> None:
+    """Callers other than the API get the model's required members checked too."""
+    with pytest.raises(ValidationException) as refused:
+        plane.faults.inject_fault(name="svc", spec=FaultSpec(type="AgentHang", instance_id=plane.node_id))
+    assert refused.value.message == (
+        "1 validation error detected: Value null at 'durationSeconds' failed to satisfy constraint: "
+        "Member must not be null"
+    )
+    assert plane.provisioner.calls == []
