@@ -149,15 +149,6 @@ ROUTES = [
     ),
 ]
 
-# AWS error code -> the HTTP status the REST routes answer it with (api/rest.py's status_for).
-_STATUS = {
-    "ValidationException": 400,
-    "AccessDeniedException": 403,
-    "ResourceNotFound": 404,
-    "ConflictException": 409,
-}
-
-
 # ---------------------------------------------------------------------- OpenAPI from the model
 
 
@@ -212,7 +203,7 @@ def _responses(
         }
     }
     for error in operation.error_shapes:
-        status = _STATUS[error.name]
+        status = error.metadata["error"]["httpStatusCode"]  # as api/rest.py's status_for answers
         text = f"{error.name}: {shapes.description(error.documentation)}"
         previous = responses.get(status)
         responses[status] = {"description": f"{previous['description']}; {text}" if previous else text}

@@ -12,8 +12,9 @@ import pytest
 from fastapi import FastAPI
 
 from api import extension_routes, extensions
-from api.rest import install_openapi
+from api.rest import install_openapi, status_for
 from contracts import extensions as model
+from domain import errors
 from domain.errors import SerializationException, ValidationException
 from hyperpod_sim import cluster_cli
 
@@ -156,3 +157,10 @@ def test_the_cli_offers_the_models_choices() -> None:
     assert tuple(choices["type"]) == model.enum("FaultType")
     assert tuple(choices["error_kind"]) == model.enum("ErrorKind")
     assert model.members("PutCheckpointPolicyRequest") == cluster_cli.POLICY_MEMBERS
+
+
+def test_the_error_statuses_are_the_routes() -> None:
+    for operation in model.service_model().operation_names:
+        for error in model.service_model().operation_model(operation).error_shapes:
+            raised = getattr(errors, error.name)("x")
+            assert status_for(raised) == error.metadata["error"]["httpStatusCode"], error.name
