@@ -26,9 +26,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import botocore.session
-import regex
 from botocore.model import NoShapeFoundError, OperationNotFoundError
 
+from api.patterns import pattern_matches
+from contracts import extensions
 from domain.errors import (
     SerializationException,
     UnknownOperationException,
@@ -38,6 +39,8 @@ from domain.errors import (
 
 __all__ = [
     "camel",
+    "collect_input",
+    "description",
     "operation_schemas",
     "render",
     "serialize_output",
@@ -63,9 +66,9 @@ def service_model() -> Any:
     return botocore.session.get_session().get_service_model("sagemaker")
 
 
-def _operation_model(operation: str) -> Any:
+def _operation_model(operation: str, model: Any = None) -> Any:
     try:
-        return service_model().operation_model(operation)
+        return (model or service_model()).operation_model(operation)
     except OperationNotFoundError:
         raise UnknownOperationException(f"Operation {operation} is not supported.") from None
 
@@ -81,107 +84,6 @@ def _child(path: str, name: str) -> str:
 
 def _where(path: str) -> str:
     return path or _ROOT
-
-
-# --------------------------------------------------------------------------------------------
-# Patterns: botocore carries Java regular expressions that AWS applies as full matches
-# --------------------------------------------------------------------------------------------
-
-_SURROGATE_PAIR = re.compile(r"\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})", re.IGNORECASE)
-
-# Java's predefined classes are ASCII unless UNICODE_CHARACTER_CLASS is set; Python's (and the
-# regex module's) are Unicode. `.` in Java excludes every line terminator, not only "\n".
-_OUTSIDE_CLASS = {
-    ".": "[^\\n\\r\\u0085\\u2028\\u2029]",
-    "\\d": "[0-9]",
-    "\\D": "[^0-9]",
-    "\\w": "[a-zA-Z0-9_]",
-    "\\W": "[^a-zA-Z0-9_]",
-    "\\s": "[ \\t\\n\\x0b\\f\\r]",
-    "\\S": "[^ \\t\\n\\x0b\\f\\r]",
-}
-_INSIDE_CLASS = {
-    "\\d": "0-9",
-    "\\w": "a-zA-Z0-9_",
-    "\\s": " \\t\\n\\x0b\\f\\r",
-}
-
-
-def _combine_surrogates(match: re.Match[str]) -> str:
-    high, low = int(match.group(1), 16), int(match.group(2), 16)
-    return f"\\U{0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00):08X}"
-
-
-def _pattern_tokens(source: str) -> list[tuple[str, int | None]]:
-    """Split a pattern into escapes and single characters, each tagged with its character class.
-
-    The tag is the index of the outermost ``[...]`` the token sits in (None outside any class);
-    the brackets themselves carry their class's tag too.
-    """
-    tokens: list[tuple[str, int | None]] = []
-    depth = 0  # Java classes nest: [a-z[0-9]]
-    classes = 0
-    i = 0
-    while i < len(source):
-        char = source[i]
-        token = char
-        if char == "\\" and i + 1 < len(source):
-            token = source[i : i + 2]
-            if token[1] in "pP" and source[i + 2 : i + 3] == "{":
-                close = source.find("}", i + 2)
-                token = source[i : close + 1] if close != -1 else source[i:]
-        consumed = len(token)
-        if char == "[":
-            if not depth:
-                classes += 1
-            depth += 1
-            # A "]" right after "[" or "[^" is a literal, not the end of the class.
-            if source[i + 1 : i + 2] == "^":
-                token, consumed = "[^", 2
-            if source[i + consumed : i + consumed + 1] == "]":
-                token, consumed = token + "\\]", consumed + 1
-        tag = classes - 1 if depth else None
-        if char == "]" and depth:
-            depth -= 1
-        tokens.append((token, tag))
-        i += consumed
-    return tokens
-
-
-def java_to_python_pattern(pattern: str) -> str:
-    """Translate the Java-isms botocore's patterns use into the ``regex`` module's dialect.
-
-    UTF-16 surrogate pairs (``\\uD800\\uDC00``) become code points, ``.`` stops at every Java
-    line terminator, and ``\\d``/``\\w``/``\\s`` and their negations become ASCII classes (Java's
-    default). A character class holding a negated escape (``[\\S\\s]``) is left as it is, since
-    a negation cannot be spelled out inside a class; it keeps Python's Unicode meaning there.
-    """
-    tokens = _pattern_tokens(_SURROGATE_PAIR.sub(_combine_surrogates, pattern))
-    verbatim = {tag for token, tag in tokens if tag is not None and token in ("\\D", "\\W", "\\S")}
-    out: list[str] = []
-    for token, tag in tokens:
-        if tag is None:
-            out.append(_OUTSIDE_CLASS.get(token, token))
-        elif tag in verbatim:
-            out.append(token)
-        else:
-            out.append(_INSIDE_CLASS.get(token, token))
-    return "".join(out)
-
-
-@functools.lru_cache(maxsize=1024)
-def _compiled(pattern: str) -> Any:
-    """The compiled form of a model pattern, or None when it cannot be expressed (not checked)."""
-    try:
-        return regex.compile(java_to_python_pattern(pattern))
-    except regex.error:
-        return None
-
-
-def pattern_matches(pattern: str, value: str) -> bool:
-    """Whether ``value`` satisfies a model pattern the way AWS applies it (a full match)."""
-    compiled = _compiled(pattern)
-    return compiled is None or compiled.fullmatch(value) is not None
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,14 +194,21 @@ class _Validator:
             return value
         return value
 
-    def structure(self, shape: Any, value: object, path: str) -> dict[str, Any]:
+    def structure(
+        self, shape: Any, value: object, path: str, located: Mapping[str, object] | None = None
+    ) -> dict[str, Any]:
+        """A structure's members. With ``located`` (a REST request's path parameters, by member
+        name), members with a ``location`` are taken from it and the others from ``value`` (the
+        body), which may not carry located ones."""
         if not isinstance(value, dict):
             raise _mismatch(path, "structure", value)
         members: Mapping[str, Any] = shape.members
         required = set(shape.required_members)
+        in_body = [name for name, member in members.items() if located is None or not _located(member)]
         out: dict[str, Any] = {}
         for name, member in members.items():
-            item = value.get(name)
+            source = located if located is not None and _located(member) else value
+            item = source.get(name)
             if item is None:  # an explicit JSON null is an absent member
                 if name in required:
                     self.errors.append(
@@ -309,9 +218,10 @@ class _Validator:
                 continue
             out[name] = self.value(member, item, _child(path, name))
         for key in value:
-            if key not in members:
+            if key not in in_body:
+                allowed = ", ".join(in_body) or "none"
                 self.errors.append(
-                    f"Unknown member '{key}' at '{_where(path)}': allowed members are " + ", ".join(members)
+                    f"Unknown member '{key}' at '{_where(path)}': allowed members are {allowed}"
                 )
         return out
 
@@ -380,8 +290,29 @@ class _Validator:
             self.errors.append(_violation(value, path, f"must have value less than or equal to {high}"))
 
 
-def validate_input(operation: str, params: object) -> dict[str, Any]:
-    """Check ``params`` (a decoded JSON body) against ``operation``'s input shape.
+def _located(member: Any) -> bool:
+    return "location" in member.serialization
+
+
+def collect_input(
+    shape: Any, params: object, *, located: Mapping[str, object] | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """Check ``params`` against the input structure ``shape`` (of any botocore service model):
+    the checked copy and every constraint message, in model order; raises nothing for those.
+    A value of the wrong JSON type raises ``SerializationException`` at once, as does a body
+    that is not a JSON object. ``located``: see ``_Validator.structure``."""
+    if not isinstance(params, dict):
+        raise _mismatch("", "structure", params)
+    validator = _Validator()
+    result = validator.structure(shape, params, "", located)
+    return result, validator.errors
+
+
+def validate_input(
+    operation: str, params: object, *, model: Any = None, located: Mapping[str, object] | None = None
+) -> dict[str, Any]:
+    """Check ``params`` (a decoded JSON body) against ``operation``'s input shape in ``model``
+    (botocore's SageMaker model unless given).
 
     Returns a copy of the params with timestamps as aware UTC datetimes and JSON nulls dropped;
     everything else is unchanged. Every constraint violation is collected (in model member
@@ -389,7 +320,7 @@ def validate_input(operation: str, params: object) -> dict[str, Any]:
     ``ValidationException``. A value of the wrong JSON type raises ``SerializationException``
     at once, as does a body that is not a JSON object.
     """
-    shape = _operation_model(operation).input_shape
+    shape = _operation_model(operation, model).input_shape
     if not isinstance(params, dict):
         raise _mismatch("", "structure", params)
     if shape is None:
@@ -398,10 +329,9 @@ def validate_input(operation: str, params: object) -> dict[str, Any]:
                 [f"Unknown member '{key}' at '{_ROOT}': allowed members are none" for key in params]
             )
         return {}
-    validator = _Validator()
-    result = validator.structure(shape, params, "")
-    if validator.errors:
-        raise validation_error(validator.errors)
+    result, errors = collect_input(shape, params, located=located)
+    if errors:
+        raise validation_error(errors)
     return result
 
 
@@ -411,57 +341,37 @@ def validate_input(operation: str, params: object) -> dict[str, Any]:
 
 
 # hyperpod-sim's own members, added to AWS output structures (botocore ignores members its model
-# lacks; raw JSON and REST clients see them). Documented in the README and the OpenAPI schema.
+# lacks; raw JSON and REST clients see them). Their shapes are the extensions model's
+# (contracts/extensions.json); documented in the README and the OpenAPI schema.
 EXTENSION_MEMBERS: dict[str, frozenset[str]] = {
     "ClusterNodeDetails": frozenset({"AgentStatus"}),
     "ClusterNodeSummary": frozenset({"AgentStatus"}),
 }
 
-# JSON Schemas of the extension members, by member name (components of the OpenAPI document).
-_COUNT = {"type": "integer", "minimum": 0}
-EXTENSION_SCHEMAS: dict[str, dict[str, Any]] = {
-    "AgentStatus": {
-        "type": "object",
-        "description": "hyperpod-sim extension: the node's agent as the control plane last saw it. "
-        "boto3 drops members its model lacks: read it over REST or raw JSON.",
-        "properties": {
-            "Endpoint": {
-                "type": "string",
-                "description": "Where the agent serves its API and the in-memory checkpoint service.",
-            },
-            "AppliedPolicyGeneration": {**_COUNT, "description": "The policy generation it applied."},
-            "DesiredPolicyGeneration": {
-                **_COUNT,
-                "description": "The cluster's current policy generation (DescribeClusterNode only).",
-            },
-            "LastHeartbeatTime": {"type": "number", "description": "epoch seconds"},
-            "LastError": {"type": "string", "description": "Why the last policy push failed."},
-            "S3Tier": {
-                "type": "object",
-                "description": "The agent's S3 tier as its last heartbeat reported it; absent when "
-                "the node has no S3 tier (no S3BaseUri in the checkpoint policy).",
-                "properties": {
-                    "PendingSteps": {**_COUNT, "description": "Complete steps due for S3, not there yet."},
-                    "LagSeconds": {
-                        "type": "number",
-                        "minimum": 0,
-                        "description": "Age of the oldest step still waiting for S3.",
-                    },
-                    "PersistedStepsTotal": {**_COUNT, "description": "Steps persisted (since agent start)."},
-                    "FailuresTotal": {**_COUNT, "description": "Failed persists (since agent start)."},
-                    "LastPersistedSteps": {
-                        "type": "object",
-                        "additionalProperties": _COUNT,
-                        "description": "Namespace -> the last step persisted to S3.",
-                    },
-                    "LastError": {"type": "string", "description": "The last S3 error; absent when none."},
-                },
-                "additionalProperties": False,
-            },
-        },
-        "additionalProperties": False,
-    },
-}
+
+def _inline(schema: Any, components: dict[str, dict[str, Any]]) -> Any:
+    """``schema`` with every ``$ref`` into ``components`` replaced by what it names."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and len(schema) == 1:
+            return _inline(components[ref.rsplit("/", 1)[1]], components)
+        return {key: _inline(value, components) for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [_inline(item, components) for item in schema]
+    return schema
+
+
+@functools.lru_cache(maxsize=1)
+def extension_schemas() -> dict[str, dict[str, Any]]:
+    """JSON Schemas of the extension members, by member name (components of the OpenAPI
+    document), self-contained: rendered from their shapes in the extensions model."""
+    rendered: dict[str, dict[str, Any]] = {}
+    for names in EXTENSION_MEMBERS.values():
+        for name in names:
+            components: dict[str, dict[str, Any]] = {}
+            shape_to_json_schema(extensions.service_model().shape_for(name), components)
+            rendered[name] = _inline(components[name], components)
+    return rendered
 
 
 def _plain(value: Any) -> Any:
@@ -538,14 +448,18 @@ _TAG = re.compile(r"<[^>]+>")
 _SPACE = re.compile(r"\s+")
 
 
-def _description(documentation: str) -> str:
+def description(documentation: str, limit: int | None = _DESCRIPTION_LIMIT) -> str:
+    """A model's documentation (HTML) as plain text, cut at ``limit`` characters (None: whole)."""
     text = _SPACE.sub(" ", html.unescape(_TAG.sub(" ", documentation or ""))).strip()
-    if len(text) > _DESCRIPTION_LIMIT:
-        cut = text[: _DESCRIPTION_LIMIT - 3]
+    if limit is not None and len(text) > limit:
+        cut = text[: limit - 3]
         if " " in cut:
             cut = cut.rsplit(" ", 1)[0]
         text = cut.rstrip(" ,;:") + "..."
     return text
+
+
+_description = description
 
 
 def _ref(name: str) -> str:
@@ -563,7 +477,7 @@ def _structure_component(shape: Any, components: dict[str, dict[str, Any]]) -> N
     for member_name, member in shape.members.items():
         properties[member_name] = shape_to_json_schema(member, components)
     for member_name in sorted(EXTENSION_MEMBERS.get(name, ())):
-        components.setdefault(member_name, EXTENSION_SCHEMAS[member_name])
+        components.setdefault(member_name, extension_schemas()[member_name])
         properties[member_name] = {"$ref": _ref(member_name)}
     schema: dict[str, Any] = {"type": "object", "properties": properties}
     if shape.required_members:

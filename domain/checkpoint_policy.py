@@ -1,5 +1,8 @@
 """The per-cluster checkpoint policy: hyperpod-sim's extension of the cluster API (REST and SDK,
-not the AWS JSON operations, whose shapes stay AWS's).
+not the AWS JSON operations, whose shapes stay AWS's). Its wire shape, members and limits are
+declared in the extensions model (contracts/extensions.json), which the API validates requests
+against before it builds a :class:`CheckpointPolicy`; what no shape can say (which members go
+together) is checked here.
 
 It says where and how often the agents persist complete steps to S3, how many persisted steps S3
 keeps, how many steps the in-memory tier keeps, how many replicas each shard has, and who may
@@ -10,32 +13,18 @@ agents inside the versioned node policy (domain/policy.py).
 from __future__ import annotations
 
 import hashlib
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from domain.errors import echo, validation_error
+from domain.errors import validation_error
 
 DEFAULT_IN_MEMORY_RETENTION = 3
 DEFAULT_REPLICATION_FACTOR = 1
-MAX_IN_MEMORY_RETENTION = 100
-MAX_REPLICATION_FACTOR = 3
-# s3://bucket[/prefix]: bucket names as S3 allows them (3-63 of a-z 0-9 . -, alphanumeric ends).
-S3_URI = re.compile(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?")
 # Open: the agents' /v1/cp routes serve anyone who reaches them, as HyperPod's daemon trusts its
 # pod network (the amzn-sagemaker-checkpointing library sends no credentials). Token: writes and
 # deletes on /v1/cp, and every /v1/fast route, need the cluster's checkpoint token.
-AGENT_ACCESS_MODES = ("Open", "Token")
 DEFAULT_AGENT_ACCESS = "Open"
-MEMBERS = (
-    "S3BaseUri",
-    "PersistEverySteps",
-    "PersistEverySeconds",
-    "S3Retention",
-    "InMemoryRetention",
-    "ReplicationFactor",
-    "AgentAccess",
-)
 
 
 @dataclass(frozen=True)
@@ -50,6 +39,9 @@ class S3Endpoint:
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
+    """A cluster's checkpoint policy. Building one checks which members go together (one
+    ValidationException naming each rule broken); each member's own constraints are the model's."""
+
     s3_base_uri: str | None = None
     persist_every_steps: int | None = None
     persist_every_seconds: int | None = None
@@ -58,20 +50,32 @@ class CheckpointPolicy:
     replication_factor: int = DEFAULT_REPLICATION_FACTOR
     agent_access: str = DEFAULT_AGENT_ACCESS
 
+    def __post_init__(self) -> None:
+        errors = []
+        persist = self.persist_every_steps is not None or self.persist_every_seconds is not None
+        if self.s3_base_uri is not None and not persist:
+            errors.append(
+                "With S3BaseUri set, PersistEverySteps or PersistEverySeconds (or both) is required"
+            )
+        if self.s3_base_uri is None and (persist or self.s3_retention is not None):
+            errors.append("PersistEverySteps, PersistEverySeconds and S3Retention need S3BaseUri")
+        if errors:
+            raise validation_error(errors)
+
+    @classmethod
+    def from_wire(cls, members: Mapping[str, Any]) -> CheckpointPolicy:
+        """From the wire's members (checked against the model already); absent or null ones
+        take their defaults."""
+        given = {field: members.get(member) for member, field in _FIELDS.items()}
+        return cls(**{field: value for field, value in given.items() if value is not None})
+
     @classmethod
     def from_stored(cls, stored: dict[str, Any] | None) -> CheckpointPolicy:
-        return parse_policy(stored or {})
+        """From the cluster's ``checkpoint_policy`` column (its wire shape; None: defaults)."""
+        return cls.from_wire(stored or {})
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "S3BaseUri": self.s3_base_uri,
-            "PersistEverySteps": self.persist_every_steps,
-            "PersistEverySeconds": self.persist_every_seconds,
-            "S3Retention": self.s3_retention,
-            "InMemoryRetention": self.in_memory_retention,
-            "ReplicationFactor": self.replication_factor,
-            "AgentAccess": self.agent_access,
-        }
+        return {member: getattr(self, field) for member, field in _FIELDS.items()}
 
     def access_document(self, checkpoint_token: str) -> dict[str, Any]:
         """The ``checkpoint_access`` member of a node policy. In Token mode it carries the
@@ -95,70 +99,13 @@ class CheckpointPolicy:
         }
 
 
-def _integer(
-    body: dict[str, Any], member: str, errors: list[str], *, low: int, high: int | None = None
-) -> int | None:
-    value = body.get(member)
-    if value is None:
-        return None
-    where = member[0].lower() + member[1:]
-    if isinstance(value, bool) or not isinstance(value, int):
-        errors.append(
-            f"Value '{echo(value)}' at '{where}' failed to satisfy constraint: Member must be an integer"
-        )
-        return None
-    if value < low:
-        errors.append(
-            f"Value '{echo(value)}' at '{where}' failed to satisfy constraint: "
-            f"Member must have value greater than or equal to {low}"
-        )
-    elif high is not None and value > high:
-        errors.append(
-            f"Value '{echo(value)}' at '{where}' failed to satisfy constraint: "
-            f"Member must have value less than or equal to {high}"
-        )
-    return value
-
-
-def parse_policy(body: object) -> CheckpointPolicy:
-    """Validate a policy body (all members optional; omitted ones take their defaults)."""
-    if not isinstance(body, dict):
-        raise validation_error(["The checkpoint policy must be a JSON object"])
-    errors = [
-        f"Unknown member '{key}': allowed members are {', '.join(MEMBERS)}"
-        for key in body
-        if key not in MEMBERS
-    ]
-    uri = body.get("S3BaseUri")
-    if uri is not None and (not isinstance(uri, str) or len(uri) > 1024 or not S3_URI.fullmatch(uri)):
-        errors.append(
-            f"Value '{echo(uri)}' at 's3BaseUri' failed to satisfy constraint: Member must be an S3 URI "
-            "s3://bucket[/prefix] with a valid bucket name"
-        )
-    steps = _integer(body, "PersistEverySteps", errors, low=1)
-    seconds = _integer(body, "PersistEverySeconds", errors, low=1)
-    s3_retention = _integer(body, "S3Retention", errors, low=1)
-    memory = _integer(body, "InMemoryRetention", errors, low=1, high=MAX_IN_MEMORY_RETENTION)
-    factor = _integer(body, "ReplicationFactor", errors, low=0, high=MAX_REPLICATION_FACTOR)
-    access = body.get("AgentAccess")
-    if access is not None and access not in AGENT_ACCESS_MODES:
-        shown = access if isinstance(access, str) and len(access) <= 64 else f"{str(access)[:64]}..."
-        errors.append(
-            f"Value '{shown}' at 'agentAccess' failed to satisfy constraint: "
-            f"Member must satisfy enum value set: [{', '.join(AGENT_ACCESS_MODES)}]"
-        )
-    if uri is not None and steps is None and seconds is None:
-        errors.append("With S3BaseUri set, PersistEverySteps or PersistEverySeconds (or both) is required")
-    if uri is None and (steps is not None or seconds is not None or s3_retention is not None):
-        errors.append("PersistEverySteps, PersistEverySeconds and S3Retention need S3BaseUri")
-    if errors:
-        raise validation_error(errors)
-    return CheckpointPolicy(
-        s3_base_uri=uri,
-        persist_every_steps=steps,
-        persist_every_seconds=seconds,
-        s3_retention=s3_retention,
-        in_memory_retention=memory if memory is not None else DEFAULT_IN_MEMORY_RETENTION,
-        replication_factor=factor if factor is not None else DEFAULT_REPLICATION_FACTOR,
-        agent_access=access if isinstance(access, str) else DEFAULT_AGENT_ACCESS,
-    )
+# Wire member -> field, in the model's member order.
+_FIELDS = {
+    "S3BaseUri": "s3_base_uri",
+    "PersistEverySteps": "persist_every_steps",
+    "PersistEverySeconds": "persist_every_seconds",
+    "S3Retention": "s3_retention",
+    "InMemoryRetention": "in_memory_retention",
+    "ReplicationFactor": "replication_factor",
+    "AgentAccess": "agent_access",
+}

@@ -19,7 +19,7 @@ from sqlalchemy import Select, bindparam, delete, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from domain import cluster_rules, events
-from domain.checkpoint_policy import CheckpointPolicy, parse_policy
+from domain.checkpoint_policy import CheckpointPolicy
 from domain.clock import Clock, Ids
 from domain.errors import (
     ConflictException,
@@ -242,10 +242,11 @@ class ClusterService:
             cluster = self._get(session, name)
             return cluster, CheckpointPolicy.from_stored(cluster.checkpoint_policy)
 
-    def put_checkpoint_policy(self, *, name: str, body: object) -> tuple[Cluster, CheckpointPolicy]:
+    def put_checkpoint_policy(
+        self, *, name: str, policy: CheckpointPolicy
+    ) -> tuple[Cluster, CheckpointPolicy]:
         """Replace the cluster's checkpoint policy; like UpdateCluster, it rolls out to every
         agent (Updating until each has applied the new generation)."""
-        policy = parse_policy(body)
         with self.db.write() as session:
             cluster = self._get(session, name, lock=True)
             if cluster.status not in MUTABLE:

@@ -44,7 +44,6 @@ Each injection and each end is a cluster event.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -53,55 +52,32 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from contracts import extensions
 from domain import events
 from domain.clock import Clock, Ids
 from domain.errors import ConflictException, ResourceNotFound, ValidationException, echo, validation_error
 from domain.events import Level
-from domain.lifecycle import ClusterStatus, NodeStatus
+from domain.lifecycle import ClusterStatus, NodeStatus, bump_generation
 from domain.provisioning import Provisioner
 from models import Cluster, Database, Node
 from models.db import Outage
 
 NODE_FAULTS = ("AgentCrash", "NodeLoss", "AgentHang", "NetworkPartition")
 S3_FAULTS = ("S3Latency", "S3Errors", "S3Outage")
+# The model's FaultType enum (contracts/extensions.json), in its order; a test holds them equal.
 FAULT_TYPES = (*NODE_FAULTS, *S3_FAULTS)
 CONTROL_PLANE_FAULTS = ("DatabaseOutage",)
-MAX_OUTAGE_S = 3_600
-ERROR_KINDS = ("Throttle", "InternalError")
-MEMBERS = ("Type", "InstanceId", "DurationSeconds", "LatencyMs", "ErrorRate", "ErrorKind")
-MAX_DURATION_S = 86_400
-MAX_LATENCY_MS = 60_000
-# The members each type takes, and which of them it requires.
-_TAKES: dict[str, tuple[str, ...]] = {
-    "AgentCrash": ("InstanceId",),
-    "NodeLoss": ("InstanceId",),
-    "AgentHang": ("InstanceId", "DurationSeconds"),
-    "NetworkPartition": ("InstanceId", "DurationSeconds"),
-    "S3Latency": ("LatencyMs", "DurationSeconds"),
-    "S3Errors": ("ErrorRate", "ErrorKind", "DurationSeconds"),
-    "S3Outage": ("DurationSeconds",),
-}
-_REQUIRES: dict[str, tuple[str, ...]] = {
-    "AgentCrash": ("InstanceId",),
-    "NodeLoss": ("InstanceId",),
-    "AgentHang": ("InstanceId", "DurationSeconds"),
-    "NetworkPartition": ("InstanceId", "DurationSeconds"),
-    "S3Latency": ("LatencyMs",),
-    "S3Errors": ("ErrorRate",),
-    "S3Outage": (),
-}
+DEFAULT_ERROR_KIND = "Throttle"
 # Cluster statuses in which faults are accepted: the cluster runs, whether or not a rollout is on.
 ACCEPTING = (ClusterStatus.IN_SERVICE, ClusterStatus.UPDATING)
 LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING)
 
 
-def _where(member: str) -> str:
-    return member[0].lower() + member[1:]
-
-
 @dataclass(frozen=True)
 class FaultSpec:
-    """A validated injection request."""
+    """A fault to inject, its members checked against the model (contracts/extensions.json: the
+    members each ``type`` takes and requires, and their limits) by the API. What no shape can
+    say is checked here: an ``error_rate`` above 0."""
 
     type: str
     instance_id: str | None = None
@@ -110,115 +86,36 @@ class FaultSpec:
     error_rate: float | None = None
     error_kind: str | None = None
 
-
-def _members_and_type(
-    body: object, members: tuple[str, ...], types: tuple[str, ...]
-) -> tuple[list[str], Any]:
-    """The first checks of every fault body: a JSON object, known members, a known ``Type``; the
-    errors found and the ``Type`` given."""
-    if not isinstance(body, dict):
-        raise validation_error(["The fault must be a JSON object"])
-    errors = [
-        f"Unknown member '{key}': allowed members are {', '.join(members)}"
-        for key in body
-        if key not in members
-    ]
-    kind = body.get("Type")
-    if kind is None:
-        errors.append("Value null at 'type' failed to satisfy constraint: Member must not be null")
-    elif kind not in types:
-        errors.append(
-            f"Value '{echo(kind)}' at 'type' failed to satisfy constraint: "
-            "Member must satisfy enum value set: "
-            f"[{', '.join(types)}]"
-        )
-    return errors, kind
-
-
-def parse_control_plane_fault(body: object) -> FaultSpec:
-    """Check a control-plane fault: ``{"Type": "DatabaseOutage", "DurationSeconds": 1..3600}``."""
-    errors, kind = _members_and_type(body, ("Type", "DurationSeconds"), CONTROL_PLANE_FAULTS)
-    assert isinstance(body, dict)
-    if body.get("DurationSeconds") is None:
-        errors.append("Value null at 'durationSeconds' failed to satisfy constraint: Member must not be null")
-    duration = _integer(body, "DurationSeconds", errors, low=1, high=MAX_OUTAGE_S)
-    if errors or not isinstance(kind, str):
-        raise validation_error(errors)
-    return FaultSpec(type=kind, duration_s=duration)
-
-
-def parse_fault(body: object) -> FaultSpec:
-    """Check an injection body; one ValidationException naming every bad member."""
-    errors, kind = _members_and_type(body, MEMBERS, FAULT_TYPES)
-    assert isinstance(body, dict)
-    if errors or not isinstance(kind, str):
-        raise validation_error(errors)
-    for member in MEMBERS[1:]:
-        if member in body and member not in _TAKES[kind]:
-            takes = ", ".join(_TAKES[kind])
-            errors.append(f"Member '{member}' does not apply to Type '{kind}', which takes {takes}")
-    for member in _REQUIRES[kind]:
-        if body.get(member) is None:
+    def __post_init__(self) -> None:
+        """What the domain relies on, for callers other than the API too: the members the type's
+        shape requires are set, and an ``error_rate`` is above 0 (which no shape can say)."""
+        errors = [
+            f"Value null at '{member[0].lower() + member[1:]}' failed to satisfy constraint: "
+            "Member must not be null"
+            for member, field in _FIELDS.items()
+            if getattr(self, field) is None and self.type in FAULT_TYPES and member in _required(self.type)
+        ]
+        if self.error_rate is not None and not self.error_rate > 0:
             errors.append(
-                f"Value null at '{_where(member)}' failed to satisfy constraint: Member must not be null"
+                f"Value '{echo(self.error_rate)}' at 'errorRate' failed to satisfy constraint: "
+                "Member must have value greater than 0"
             )
-    instance_id = body.get("InstanceId")
-    if instance_id is not None and (not isinstance(instance_id, str) or not 1 <= len(instance_id) <= 19):
-        errors.append(
-            f"Value '{echo(instance_id)}' at 'instanceId' failed to satisfy constraint: "
-            "Member must be a string "
-            "of 1 to 19 characters"
-        )
-    duration = _integer(body, "DurationSeconds", errors, low=1, high=MAX_DURATION_S)
-    latency = _integer(body, "LatencyMs", errors, low=1, high=MAX_LATENCY_MS)
-    rate = body.get("ErrorRate")
-    if rate is not None:
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate):
-            errors.append(
-                f"Value '{echo(rate)}' at 'errorRate' failed to satisfy constraint: Member must be a number"
-            )
-            rate = None
-        elif not 0 < rate <= 1:
-            errors.append(
-                f"Value '{echo(rate)}' at 'errorRate' failed to satisfy constraint: "
-                "Member must have value greater "
-                "than 0 and less than or equal to 1"
-            )
-    error_kind = body.get("ErrorKind")
-    if error_kind is not None and error_kind not in ERROR_KINDS:
-        errors.append(
-            f"Value '{echo(error_kind)}' at 'errorKind' failed to satisfy constraint: "
-            f"Member must satisfy enum value set: [{', '.join(ERROR_KINDS)}]"
-        )
-    if errors:
-        raise validation_error(errors)
-    return FaultSpec(
-        type=kind,
-        instance_id=instance_id,
-        duration_s=duration,
-        latency_ms=latency,
-        error_rate=float(rate) if rate is not None else None,
-        error_kind=(error_kind or "Throttle") if kind == "S3Errors" else None,
-    )
+        if errors:
+            raise validation_error(errors)
 
 
-def _integer(body: dict[str, Any], member: str, errors: list[str], *, low: int, high: int) -> int | None:
-    value = body.get(member)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        errors.append(
-            f"Value '{echo(value)}' at '{_where(member)}' failed to satisfy constraint: "
-            "Member must be an integer"
-        )
-        return None
-    if not low <= value <= high:
-        errors.append(
-            f"Value '{echo(value)}' at '{_where(member)}' failed to satisfy constraint: "
-            "Member must have value "
-            f"between {low} and {high}"
-        )
-    return value
+# Wire member -> FaultSpec field.
+_FIELDS = {
+    "InstanceId": "instance_id",
+    "DurationSeconds": "duration_s",
+    "LatencyMs": "latency_ms",
+    "ErrorRate": "error_rate",
+}
+
+
+def _required(kind: str) -> tuple[str, ...]:
+    """The members a fault type requires: its input shape's, in the extensions model."""
+    return extensions.required(f"{kind}InjectFaultRequest")
 
 
 # ---------------------------------------------------------------------- stored faults
@@ -276,7 +173,7 @@ def _end(
     node = _node(cluster, fault.get("InstanceId"))
     description = f"Fault {fault['FaultId']} ended: {_describe(fault)}; {reason}."
     if fault["Type"] in S3_FAULTS:
-        cluster.generation += 1
+        bump_generation(cluster)
         description += f" Policy generation {cluster.generation}."
     events.record(session, ids=ids, now=now, cluster=cluster, node=node, description=description)
 
@@ -365,10 +262,9 @@ class FaultService:
             raise ResourceNotFound(f"Cluster '{name}' does not exist.")
         return cluster
 
-    def inject_fault(self, *, name: str, body: object) -> tuple[Cluster, dict[str, Any]]:
+    def inject_fault(self, *, name: str, spec: FaultSpec) -> tuple[Cluster, dict[str, Any]]:
         """Inject one fault now; its record (``FaultId``, ``Type``, the members given, ``InjectedAt``,
         ``EndsAt`` where it has a duration)."""
-        spec = parse_fault(body)
         node_fault = spec.type in NODE_FAULTS
         if node_fault and not self.provisioner.owns_agents:
             raise ValidationException(
@@ -396,7 +292,7 @@ class FaultService:
                 fault["LatencyMs"] = spec.latency_ms
             if spec.error_rate is not None:
                 fault["ErrorRate"] = spec.error_rate
-                fault["ErrorKind"] = spec.error_kind
+                fault["ErrorKind"] = spec.error_kind or DEFAULT_ERROR_KIND
             fault["InjectedAt"] = now.timestamp()
             if spec.duration_s is not None:
                 fault["EndsAt"] = now.timestamp() + spec.duration_s
@@ -411,7 +307,7 @@ class FaultService:
                         f"Fault {running['FaultId']} ({running['Type']}) is in force on cluster "
                         f"'{cluster.name}'; one S3 fault at a time: clear it first."
                     )
-                cluster.generation += 1
+                bump_generation(cluster)
                 detail = f"policy generation {cluster.generation}"
             if spec.type != "AgentCrash":  # a crash is over once injected: nothing stays in force
                 cluster.faults = [*current, fault]
@@ -503,11 +399,9 @@ class FaultService:
 
     # ------------------------------------------------------------------ the control plane's own
 
-    def inject_control_plane_fault(self, *, body: object) -> dict[str, Any]:
-        """Start a DatabaseOutage now (its injection recorded in every cluster's events first,
-        while the database still answers)."""
-        spec = parse_control_plane_fault(body)
-        assert spec.duration_s is not None
+    def inject_control_plane_fault(self, *, duration_s: int) -> dict[str, Any]:
+        """Start a DatabaseOutage of ``duration_s`` seconds now (its injection recorded in every
+        cluster's events first, while the database still answers)."""
         running = self._outage_record()
         if running is not None:
             raise ConflictException(
@@ -517,14 +411,14 @@ class FaultService:
         fault_id = self.ids.fault_id()
         description = (
             f"Fault {fault_id} injected: DatabaseOutage (every database request fails, for "
-            f"{spec.duration_s} s); the control plane answers 503 ServiceUnavailable until it ends."
+            f"{duration_s} s); the control plane answers 503 ServiceUnavailable until it ends."
         )
         with self.db.write() as session:
             for cluster in session.scalars(select(Cluster)):
                 events.record(
                     session, ids=self.ids, now=now, cluster=cluster, level=Level.WARN, description=description
                 )
-        outage = self.db.begin_outage(fault_id=fault_id, duration_s=spec.duration_s)
+        outage = self.db.begin_outage(fault_id=fault_id, duration_s=duration_s)
         return _outage_wire(outage)
 
     def _outage_record(self) -> dict[str, Any] | None:

@@ -1,156 +1,49 @@
-"""``hyperpod-sim cluster ...``, ``hyperpod-sim checkpoints`` and ``hyperpod-sim fault ...``: the
-control plane from a shell,
-built on the SDK's HyperPodClient (sdk/client.py; docs/sdk.md).
+"""``hyperpod-sim cluster ...`` and ``hyperpod-sim checkpoints``: the control plane from a shell,
+built on the SDK's HyperPodClient (sdk/client.py; docs/sdk.md). ``hyperpod-sim fault ...`` is
+hyperpod_sim/fault_cli.py; what the commands share, hyperpod_sim/cli_common.py.
 
-Only argparse is imported here at module level: ``hyperpod_sim.cli`` builds its parser from this
-module for every subcommand, ``agent`` included, so the SDK (boto3, httpx) and PyYAML are imported
-by the commands that use them. Results go to stdout, progress of ``--wait`` to stderr (one line
-rewritten in place on a terminal), errors to stderr as one line ``error: <Code>: <message>`` with
-exit status 1.
+Only argparse (and the extensions model's JSON, for the checkpoint policy's members) is loaded
+here at module level: ``hyperpod_sim.cli`` builds its parser from this module for every
+subcommand, ``agent`` included, so the SDK (boto3, httpx) and PyYAML are imported by the commands
+that use them. Results go to stdout, progress of ``--wait`` to stderr (one line rewritten in place
+on a terminal), errors to stderr as one line ``error: <Code>: <message>`` with exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
-import time
-from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
+
+from contracts import extensions
+from hyperpod_sim import fault_cli
+from hyperpod_sim.cli_common import (
+    CommandError,
+    Progress,
+    as_json,
+    common_flags,
+    fields,
+    node_counts,
+    ranges,
+    run,
+    status_line,
+    table,
+    wait_flags,
+    wait_in_service,
+)
 
 if TYPE_CHECKING:
     from sdk.client import HyperPodClient
 
-DEFAULT_ENDPOINT = "http://127.0.0.1:8080"
 DEFAULT_EXECUTION_ROLE = "arn:aws:iam::123456789012:role/HyperPodExecution"
 DEFAULT_EKS_CLUSTER_ARN = "arn:aws:eks:us-east-1:123456789012:cluster/hyperpod-sim"
-DEFAULT_WAIT_S = 600.0
-# The checkpoint policy's members (GET answers carry ClusterName, ClusterArn, PolicyGeneration too).
-POLICY_MEMBERS = (
-    "S3BaseUri",
-    "PersistEverySteps",
-    "PersistEverySeconds",
-    "S3Retention",
-    "InMemoryRetention",
-    "ReplicationFactor",
-    "AgentAccess",  # kept by --set like the others: a change of one member never reopens the agents
-)
-
-
-class CommandError(Exception):
-    """A command that cannot be run as given (a bad file, a group with no type): not a refusal
-    by the control plane, but reported the same way."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-# ---------------------------------------------------------------------- output
-
-
-def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """Plain-text columns, left-aligned, two spaces apart."""
-    cells = [[str(c) for c in headers], *([_cell(c) for c in row] for row in rows)]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    )
-
-
-def _cell(value: object) -> str:
-    if value is None or value == "":
-        return "-"
-    if isinstance(value, datetime):
-        return _time(value)
-    return str(value)
-
-
-def _time(value: object) -> str:
-    if isinstance(value, datetime):
-        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return "-" if value is None else str(value)
-
-
-def fields(pairs: Sequence[tuple[str, object]]) -> str:
-    """``Label:  value`` lines, the values aligned."""
-    width = max(len(label) for label, _ in pairs) + 2
-    return "\n".join(f"{label + ':':<{width}}{_cell(value)}" for label, value in pairs)
-
-
-def _json(value: object) -> str:
-    def default(item: object) -> str:
-        if isinstance(item, datetime):
-            return item.isoformat()
-        raise TypeError(f"{type(item).__name__} is not JSON serializable")
-
-    return json.dumps(value, indent=2, default=default)
-
-
-def _ranges(numbers: Iterable[int]) -> str:
-    """1, 2, 3, 5 -> '1-3,5'."""
-    ordered = sorted(set(numbers))
-    parts: list[str] = []
-    start = 0
-    for i, n in enumerate(ordered):
-        if i + 1 == len(ordered) or ordered[i + 1] != n + 1:
-            parts.append(str(n) if start == i else f"{ordered[start]}-{n}")
-            start = i + 1
-    return ",".join(parts)
-
-
-class Progress:
-    """What ``--wait`` shows: on a terminal one line rewritten in place, otherwise a plain line
-    each time the status or the node count changes."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.started = time.monotonic()
-        self.last: str | None = None
-
-    def show(self, line: str) -> None:
-        if self.tty:
-            elapsed = time.monotonic() - self.started
-            self.stream.write(f"\r\x1b[2K{line} ({elapsed:.0f} s)")
-            self.stream.flush()
-        elif line != self.last:
-            self.stream.write(line + "\n")
-            self.stream.flush()
-        self.last = line
-
-    def done(self) -> None:
-        if self.tty and self.last is not None:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-def _node_counts(cluster: dict[str, Any]) -> tuple[int, int]:
-    """(Running nodes, target nodes) of a DescribeCluster answer."""
-    groups = [*cluster.get("InstanceGroups", []), *cluster.get("RestrictedInstanceGroups", [])]
-    running = sum(int(g.get("CurrentCount") or 0) for g in groups)
-    return running, sum(int(g.get("TargetCount") or 0) for g in groups)
-
-
-def _status_line(cluster: dict[str, Any]) -> str:
-    running, total = _node_counts(cluster)
-    return f"{cluster['ClusterName']}: {cluster['ClusterStatus']}, nodes {running}/{total} Running"
-
-
-def _wait_in_service(client: HyperPodClient, name: str, timeout: float) -> dict[str, Any]:
-    progress = Progress(sys.stderr)
-    try:
-        cluster = client.wait_until_in_service(
-            name, timeout=timeout, on_poll=lambda c: progress.show(_status_line(c))
-        )
-    finally:
-        progress.done()
-    return cluster
+# The checkpoint policy's members, from the model (GET answers carry ClusterName, ClusterArn and
+# PolicyGeneration too). AgentAccess is kept by --set like the others: a change of one member
+# never reopens the agents.
+POLICY_MEMBERS = extensions.members("PutCheckpointPolicyRequest")
 
 
 # ---------------------------------------------------------------------- inputs
@@ -234,14 +127,6 @@ def _existing_spec(client: HyperPodClient, details: dict[str, Any]) -> dict[str,
 # ---------------------------------------------------------------------- commands
 
 
-def _client(args: argparse.Namespace) -> HyperPodClient:
-    from sdk.client import HyperPodClient
-
-    endpoint = args.endpoint_url or os.environ.get("HPSIM_ENDPOINT_URL") or DEFAULT_ENDPOINT
-    # Credentials: the boto3 chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, --profile).
-    return HyperPodClient(endpoint, profile=getattr(args, "profile", None))
-
-
 def cluster_create(client: HyperPodClient, args: argparse.Namespace) -> int:
     request = _load_file(args.file) if args.file else {}
     if args.name:
@@ -271,12 +156,12 @@ def cluster_create(client: HyperPodClient, args: argparse.Namespace) -> int:
     arn = client.create_cluster(**request)
     print(arn)
     if args.wait:
-        _report_in_service(_wait_in_service(client, request["ClusterName"], args.timeout))
+        _report_in_service(wait_in_service(client, request["ClusterName"], args.timeout))
     return 0
 
 
 def _report_in_service(cluster: dict[str, Any]) -> None:
-    running, total = _node_counts(cluster)
+    running, total = node_counts(cluster)
     print(f"{cluster['ClusterName']} is {cluster['ClusterStatus']} ({running}/{total} nodes Running)")
 
 
@@ -315,14 +200,14 @@ def cluster_update(client: HyperPodClient, args: argparse.Namespace) -> int:
         request["NodeRecovery"] = args.node_recovery
     print(client.update_cluster(**request))
     if args.wait:
-        _report_in_service(_wait_in_service(client, args.name, args.timeout))
+        _report_in_service(wait_in_service(client, args.name, args.timeout))
     return 0
 
 
 def cluster_describe(client: HyperPodClient, args: argparse.Namespace) -> int:
     cluster = client.describe_cluster(args.name)
     if args.json:
-        print(_json(cluster))
+        print(as_json(cluster))
         return 0
     orchestrator = cluster.get("Orchestrator") or {}
     if "Eks" in orchestrator:
@@ -336,7 +221,7 @@ def cluster_describe(client: HyperPodClient, args: argparse.Namespace) -> int:
         storage = f"Enable ({tiered.get('InstanceMemoryAllocationPercentage')}% of instance memory)"
     else:
         storage = tiered.get("Mode") or "Disable"
-    running, total = _node_counts(cluster)
+    running, total = node_counts(cluster)
     pairs: list[tuple[str, object]] = [
         ("Cluster", cluster["ClusterName"]),
         ("ARN", cluster["ClusterArn"]),
@@ -374,7 +259,7 @@ def cluster_describe(client: HyperPodClient, args: argparse.Namespace) -> int:
 def cluster_list(client: HyperPodClient, args: argparse.Namespace) -> int:
     clusters = client.list_clusters()
     if args.json:
-        print(_json(clusters))
+        print(as_json(clusters))
     elif not clusters:
         print("No clusters.")
     else:
@@ -396,7 +281,7 @@ def cluster_delete(client: HyperPodClient, args: argparse.Namespace) -> int:
         progress = Progress(sys.stderr)
         try:
             client.wait_until_deleted(
-                args.name, timeout=args.timeout, on_poll=lambda c: progress.show(_status_line(c))
+                args.name, timeout=args.timeout, on_poll=lambda c: progress.show(status_line(c))
             )
         finally:
             progress.done()
@@ -417,7 +302,7 @@ def _s3_lag(agent: dict[str, Any]) -> str | None:
 def cluster_nodes(client: HyperPodClient, args: argparse.Namespace) -> int:
     nodes = client.list_nodes(args.name)
     if args.json:
-        print(_json(nodes))
+        print(as_json(nodes))
         return 0
     if not nodes:
         print(f"Cluster {args.name} has no nodes.")
@@ -446,7 +331,7 @@ def cluster_nodes(client: HyperPodClient, args: argparse.Namespace) -> int:
 def cluster_events(client: HyperPodClient, args: argparse.Namespace) -> int:
     events = client.events(args.name)
     if args.json:
-        print(_json(events))
+        print(as_json(events))
     elif not events:
         print(f"Cluster {args.name} has no events.")
     else:
@@ -471,9 +356,9 @@ def cluster_policy(client: HyperPodClient, args: argparse.Namespace) -> int:
         body.update(dict(args.set))
         policy = client.put_checkpoint_policy(args.name, **body)
         if args.wait:
-            _wait_in_service(client, args.name, args.timeout)
+            wait_in_service(client, args.name, args.timeout)
     if args.json:
-        print(_json(policy))
+        print(as_json(policy))
         return 0
     pairs: list[tuple[str, object]] = [
         ("Cluster", policy.get("ClusterName")),
@@ -487,7 +372,7 @@ def cluster_policy(client: HyperPodClient, args: argparse.Namespace) -> int:
 def checkpoints(client: HyperPodClient, args: argparse.Namespace) -> int:
     listing = client.checkpoints(args.name)
     if args.json:
-        print(_json(listing))
+        print(as_json(listing))
         return 0
     namespaces = listing.get("Namespaces", [])
     if not namespaces:
@@ -515,7 +400,7 @@ def checkpoints(client: HyperPodClient, args: argparse.Namespace) -> int:
                     f"{len(replicas)}/{ranks}",
                     "yes" if step.get("S3") else "no",
                     "yes" if step.get("Complete") else "no",
-                    _ranges(missing) if missing else None,
+                    ranges(missing) if missing else None,
                 ]
             )
         print(table(["STEP", "IN MEMORY", "REPLICAS", "ON S3", "COMPLETE", "NOT IN MEMORY"], rows))
@@ -526,130 +411,7 @@ def checkpoints(client: HyperPodClient, args: argparse.Namespace) -> int:
     return 0
 
 
-def _fault_details(fault: dict[str, Any]) -> str | None:
-    parts = []
-    if fault.get("LatencyMs") is not None:
-        parts.append(f"{fault['LatencyMs']} ms")
-    if fault.get("ErrorRate") is not None:
-        parts.append(f"rate {fault['ErrorRate']:g} {fault.get('ErrorKind') or 'Throttle'}")
-    if fault.get("DurationSeconds") is not None:
-        parts.append(f"{fault['DurationSeconds']} s")
-    elif fault.get("Type", "").startswith("S3"):
-        parts.append("until cleared")
-    return ", ".join(parts) or None
-
-
-def _epoch(value: object) -> object:
-    return datetime.fromtimestamp(value, tz=UTC) if isinstance(value, int | float) else value
-
-
-def fault_inject(client: HyperPodClient, args: argparse.Namespace) -> int:
-    spec: dict[str, Any] = {"Type": args.type}
-    for member, value in (
-        ("InstanceId", args.instance_id),
-        ("DurationSeconds", args.duration),
-        ("LatencyMs", args.latency_ms),
-        ("ErrorRate", args.error_rate),
-        ("ErrorKind", args.error_kind),
-    ):
-        if value is not None:
-            spec[member] = value
-    fault = client.inject_fault(args.name, **spec)
-    if args.json:
-        print(_json(fault))
-        return 0
-    pairs: list[tuple[str, object]] = [
-        ("Fault", fault["FaultId"]),
-        ("Type", fault["Type"]),
-        ("Node", fault.get("InstanceId")),
-        ("Details", _fault_details(fault)),
-        ("Injected", _epoch(fault.get("InjectedAt"))),
-        ("Ends", _epoch(fault.get("EndsAt"))),
-    ]
-    print(fields(pairs))
-    return 0
-
-
-def fault_list(client: HyperPodClient, args: argparse.Namespace) -> int:
-    faults = client.list_faults(args.name)
-    if args.json:
-        print(_json(faults))
-    elif not faults:
-        print(f"Cluster {args.name} has no faults in force.")
-    else:
-        rows = [
-            [
-                f["FaultId"],
-                f["Type"],
-                f.get("InstanceId"),
-                _fault_details(f),
-                _epoch(f.get("InjectedAt")),
-                _epoch(f.get("EndsAt")),
-            ]
-            for f in faults
-        ]
-        print(table(["FAULT", "TYPE", "NODE", "DETAILS", "INJECTED", "ENDS"], rows))
-    return 0
-
-
-def fault_clear(client: HyperPodClient, args: argparse.Namespace) -> int:
-    fault = client.clear_fault(args.name, args.fault_id)
-    print(f"{fault['FaultId']} ({fault['Type']}) cleared")
-    return 0
-
-
-def fault_database(client: HyperPodClient, args: argparse.Namespace) -> int:
-    """``fault database --duration S`` starts a DatabaseOutage, ``--end`` ends the one in force,
-    neither shows it."""
-    if args.duration is not None:
-        fault = client.inject_control_plane_fault(Type="DatabaseOutage", DurationSeconds=args.duration)
-        print(f"{fault['FaultId']} (DatabaseOutage) until {_epoch(fault['EndsAt'])}")
-        return 0
-    faults = client.list_control_plane_faults()
-    if not faults:
-        print("The control plane's database answers: no DatabaseOutage in force.")
-        return 0
-    for fault in faults:
-        if args.end:
-            client.clear_control_plane_fault(fault["FaultId"])
-            print(f"{fault['FaultId']} (DatabaseOutage) cleared")
-        else:
-            print(f"{fault['FaultId']} (DatabaseOutage) until {_epoch(fault['EndsAt'])}")
-    return 0
-
-
 # ---------------------------------------------------------------------- parser
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the command ``args.action`` names; errors as one line on stderr, exit status 1."""
-    from sdk.client import ClusterError
-
-    action: Callable[[HyperPodClient, argparse.Namespace], int] = args.action
-    try:
-        with _client(args) as client:
-            return action(client, args)
-    except (ClusterError, CommandError) as exc:
-        message = " ".join(exc.message.split()) or type(exc).__name__
-        print(f"error: {exc.code or 'Error'}: {message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-
-
-def _common() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--endpoint-url",
-        help=f"the control plane (default: $HPSIM_ENDPOINT_URL, else {DEFAULT_ENDPOINT})",
-    )
-    common.add_argument(
-        "--profile",
-        help="the AWS profile whose access key signs the calls (default: the boto3 chain: "
-        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE)",
-    )
-    return common
 
 
 def auth_token(args: argparse.Namespace) -> int:
@@ -666,18 +428,6 @@ def auth_token(args: argparse.Namespace) -> int:
         return 1
     print(bearer_token(key.access_key_id, key.secret_access_key))
     return 0
-
-
-def _wait_flags(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(
-        "--wait", action="store_true", help=f"wait until the cluster is {what}, showing progress"
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_WAIT_S,
-        help=f"seconds --wait waits at most (default {DEFAULT_WAIT_S:g})",
-    )
 
 
 def _group_flags(parser: argparse.ArgumentParser, *, update: bool) -> None:
@@ -706,16 +456,10 @@ def _group_flags(parser: argparse.ArgumentParser, *, update: bool) -> None:
     )
 
 
-def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``cluster``, ``checkpoints`` and ``fault`` subcommands of ``hyperpod-sim``."""
-    common = _common()
-    cluster = sub.add_parser(
-        "cluster",
-        help="create, inspect, change and delete clusters",
-        description="The control plane's clusters, through the SDK's HyperPodClient (docs/sdk.md).",
-    )
-    commands = cluster.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
-
+def _change_parsers(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """``cluster create`` and ``cluster update``."""
     create = commands.add_parser(
         "create",
         parents=[common],
@@ -731,7 +475,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="ARN",
         help=f"Orchestrator.Eks.ClusterArn (default without --file: {DEFAULT_EKS_CLUSTER_ARN})",
     )
-    _wait_flags(create, "InService")
+    wait_flags(create, "InService")
     create.set_defaults(action=cluster_create)
 
     update = commands.add_parser(
@@ -750,9 +494,14 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="NAME",
         help="InstanceGroupsToDelete (repeat for more)",
     )
-    _wait_flags(update, "InService again")
+    wait_flags(update, "InService again")
     update.set_defaults(action=cluster_update)
 
+
+def _inspect_parsers(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """``cluster describe``, ``list``, ``delete``, ``nodes``, ``events`` and ``policy``."""
     describe = commands.add_parser("describe", parents=[common], help="describe a cluster")
     describe.add_argument("name", help="the cluster (name or ARN)")
     describe.add_argument("--json", action="store_true", help="the DescribeCluster answer as JSON")
@@ -764,7 +513,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
     delete = commands.add_parser("delete", parents=[common], help="delete a cluster")
     delete.add_argument("name", help="the cluster")
-    _wait_flags(delete, "gone")
+    wait_flags(delete, "gone")
     delete.set_defaults(action=cluster_delete)
 
     nodes = commands.add_parser(
@@ -796,8 +545,21 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--set", action="append", type=setting_flag, metavar="KEY=VALUE", help="a member to change"
     )
     policy.add_argument("--json", action="store_true", help="the policy as JSON")
-    _wait_flags(policy, "InService again (with --set)")
+    wait_flags(policy, "InService again (with --set)")
     policy.set_defaults(action=cluster_policy)
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``cluster``, ``checkpoints`` and ``fault`` subcommands of ``hyperpod-sim``."""
+    common = common_flags()
+    cluster = sub.add_parser(
+        "cluster",
+        help="create, inspect, change and delete clusters",
+        description="The control plane's clusters, through the SDK's HyperPodClient (docs/sdk.md).",
+    )
+    commands = cluster.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
+    _change_parsers(commands, common)
+    _inspect_parsers(commands, common)
 
     ckpt = sub.add_parser(
         "checkpoints",
@@ -811,66 +573,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     ckpt.add_argument("--json", action="store_true", help="the listing as JSON")
     ckpt.set_defaults(action=checkpoints)
 
-    fault = sub.add_parser(
-        "fault",
-        help="inject, list and clear faults (node and S3 faults)",
-        description="Fault injection, a hyperpod-sim extension (docs/sdk.md#faults). Node faults "
-        "(AgentCrash, NodeLoss, AgentHang, NetworkPartition) need --instance-id and the local "
-        "provisioner; S3 faults "
-        "(S3Latency, S3Errors, S3Outage) act on every agent of the cluster.",
-    )
-    faults = fault.add_subparsers(dest="fault_command", required=True, metavar="COMMAND")
-    inject = faults.add_parser("inject", parents=[common], help="inject a fault")
-    inject.add_argument("name", help="the cluster")
-    inject.add_argument(
-        "--type",
-        required=True,
-        choices=[
-            "AgentCrash",
-            "NodeLoss",
-            "AgentHang",
-            "NetworkPartition",
-            "S3Latency",
-            "S3Errors",
-            "S3Outage",
-        ],
-        help="the fault",
-    )
-    inject.add_argument("--instance-id", metavar="ID", help="the node (node faults)")
-    inject.add_argument(
-        "--duration",
-        type=int,
-        metavar="S",
-        help="DurationSeconds: AgentHang and NetworkPartition (required), S3 faults (default: until cleared)",
-    )
-    inject.add_argument("--latency-ms", type=int, metavar="MS", help="S3Latency: delay per S3 request")
-    inject.add_argument(
-        "--error-rate", type=float, metavar="RATE", help="S3Errors: share of requests failing"
-    )
-    inject.add_argument(
-        "--error-kind", choices=["Throttle", "InternalError"], help="S3Errors: 503 SlowDown (default) or 500"
-    )
-    inject.add_argument("--json", action="store_true", help="the fault's record as JSON")
-    inject.set_defaults(action=fault_inject)
-    listed = faults.add_parser("list", parents=[common], help="list the faults in force")
-    listed.add_argument("name", help="the cluster")
-    listed.add_argument("--json", action="store_true", help="the faults as JSON")
-    listed.set_defaults(action=fault_list)
-    clear = faults.add_parser("clear", parents=[common], help="end an S3 fault or a hang now")
-    clear.add_argument("name", help="the cluster")
-    clear.add_argument("fault_id", metavar="ID", help="the fault (FaultId)")
-    clear.set_defaults(action=fault_clear)
-    database = faults.add_parser(
-        "database",
-        parents=[common],
-        help="make the control plane's database unreachable for a while (DatabaseOutage)",
-        description="The control plane answers 503 ServiceUnavailable until the outage ends; every "
-        "cluster's events record it. Without options: the outage in force, if any.",
-    )
-    action = database.add_mutually_exclusive_group()
-    action.add_argument("--duration", type=int, metavar="S", help="start an outage of S seconds (1..3600)")
-    action.add_argument("--end", action="store_true", help="end the outage in force now")
-    database.set_defaults(action=fault_database)
+    fault = fault_cli.add_parser(sub, common)
     for parser in (cluster, ckpt, fault):
         parser.set_defaults(func=run)
     token = sub.add_parser(

@@ -56,7 +56,8 @@ def test_defaults_update_and_rollout_status(control_plane: ControlPlane, sm: Any
         (
             {"S3BaseUri": "http://bucket/x", "PersistEverySteps": 1},
             "1 validation error detected: Value 'http://bucket/x' at 's3BaseUri' failed to satisfy "
-            "constraint: Member must be an S3 URI s3://bucket[/prefix] with a valid bucket name",
+            "constraint: Member must satisfy regular expression pattern: "
+            "s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/\\S*)?",
         ),
         (
             {"S3BaseUri": "s3://bucket"},
@@ -76,7 +77,7 @@ def test_defaults_update_and_rollout_status(control_plane: ControlPlane, sm: Any
         ),
         (
             {"Colour": "blue"},
-            "1 validation error detected: Unknown member 'Colour': allowed members are S3BaseUri, "
+            "1 validation error detected: Unknown member 'Colour' at 'input': allowed members are S3BaseUri, "
             "PersistEverySteps, PersistEverySeconds, S3Retention, InMemoryRetention, ReplicationFactor, "
             "AgentAccess",
         ),

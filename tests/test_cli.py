@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from api.app import create_app
-from hyperpod_sim.cluster_cli import Progress, table
+from hyperpod_sim.cli_common import Progress, table
 from sdk.client import HyperPodClient
 from tests.conftest import ControlPlane, ServerThread, free_port, make_settings, wait_for
 from tests.test_memory_tier import cluster, create_namespace, put, replicated, url

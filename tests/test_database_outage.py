@@ -191,7 +191,7 @@ def test_bad_control_plane_faults_are_refused(control_plane: ControlPlane) -> No
         return message
 
     assert "Member must not be null" in refused({"Type": "DatabaseOutage"})
-    assert "between 1 and 3600" in refused({"Type": "DatabaseOutage", "DurationSeconds": 4000})
+    assert "less than or equal to 3600" in refused({"Type": "DatabaseOutage", "DurationSeconds": 4000})
     assert "[DatabaseOutage]" in refused({"Type": "AgentCrash", "DurationSeconds": 5})
     assert "Unknown member 'InstanceId'" in refused(
         {"Type": "DatabaseOutage", "DurationSeconds": 5, "InstanceId": "i-1"}

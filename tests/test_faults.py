@@ -389,7 +389,7 @@ def test_validation_and_unknown_resources(agent_plane: ControlPlane, sm: Any) ->
     ] == (
         "3 validation errors detected: Member 'LatencyMs' does not apply to Type 'S3Errors', which takes "
         "ErrorRate, ErrorKind, DurationSeconds; Value '1.5' at 'errorRate' failed to satisfy constraint: "
-        "Member must have value greater than 0 and less than or equal to 1; Value 'Boom' at 'errorKind' "
+        "Member must have value less than or equal to 1; Value 'Boom' at 'errorKind' "
         "failed to satisfy constraint: Member must satisfy enum value set: [Throttle, InternalError]"
     )
     assert "Unknown member 'Colour'" in refused({"Type": "S3Outage", "Colour": "red"})["message"]

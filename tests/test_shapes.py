@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import regex
 
+from api.patterns import java_to_python_pattern
 from api.shapes import (
     _Validator,
     camel,
-    java_to_python_pattern,
     operation_schemas,
     render,
     serialize_output,

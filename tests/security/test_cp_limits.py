@@ -316,18 +316,25 @@ def test_an_echoed_value_is_cut_with_an_ellipsis(raw_sm: Any) -> None:
         (
             "PUT",
             "/clusters/c/checkpoint-policy",
-            "PersistEverySteps",
-            "persistEverySteps",
-            "Member must be an integer",
+            "AgentAccess",
+            "agentAccess",
+            "Member must satisfy enum value set: [Open, Token]",
         ),
         (
             "PUT",
             "/clusters/c/checkpoint-policy",
             "S3BaseUri",
             "s3BaseUri",
-            "Member must be an S3 URI s3://bucket[/prefix] with a valid bucket name",
+            "Member must have length less than or equal to 1024",
         ),
-        ("POST", "/faults", "DurationSeconds", "durationSeconds", "Member must be an integer"),
+        (
+            "POST",
+            "/clusters/c/faults",
+            "Type",
+            "type",
+            "Member must satisfy enum value set: "
+            "[AgentCrash, NodeLoss, AgentHang, NetworkPartition, S3Latency, S3Errors, S3Outage]",
+        ),
     ],
 )
 def test_the_extensions_echo_values_cut_too(

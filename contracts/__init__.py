@@ -1,0 +1,1 @@
+"""What the control plane, the agents, the SDK and the CLI agree on, declared once."""
