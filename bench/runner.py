@@ -143,6 +143,14 @@ class NodeAgent:
     pid: int
 
 
+def node_agent_pids(node_id: str) -> list[int]:
+    """The processes of the agent serving ``node_id`` (the one place bench/ asks the provisioner's
+    process scan; ``domain.provisioning.find_agent_pids``)."""
+    from domain.provisioning import find_agent_pids
+
+    return find_agent_pids(node_id)
+
+
 def _client(server: Server) -> Any:
     from sdk.client import HyperPodClient  # here: the scripts' helper processes never need boto3
 
@@ -177,8 +185,6 @@ def create_tiered_cluster(
     """A cluster of one group of ``nodes`` with tiered storage at ``percentage``, InService; each
     node's agent in the listing's order (RuntimeError unless every node has one endpoint and one
     agent process)."""
-    from domain.provisioning import find_agent_pids
-
     with _client(server) as client:
         client.create_cluster(
             ClusterName=name,
@@ -203,7 +209,7 @@ def create_tiered_cluster(
     }
     if len(endpoints) != nodes:
         raise RuntimeError(f"{name}: {len(endpoints)} agent endpoints listed, expected {nodes}")
-    pids = {n: find_agent_pids(n) for n in endpoints}
+    pids = {n: node_agent_pids(n) for n in endpoints}
     if any(len(p) != 1 for p in pids.values()):
         raise RuntimeError(f"{name}: agent processes per node: {pids}")
     return [NodeAgent(node_id=n, endpoint=e, pid=pids[n][0]) for n, e in endpoints.items()]
