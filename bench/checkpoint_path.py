@@ -79,7 +79,6 @@ def timed(fn: Callable[[], Any], *, sync: bool) -> float:
 
 def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) -> dict[str, Any]:
     import torch
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
@@ -155,10 +154,26 @@ def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) 
     floor.clear()
 
     progress(f"{size} MiB: DCP on /dev/shm")
+    row.update(measure_dcp_shm(state, args.repeats, cuda))
+
+    if not cuda and not args.skip_library:
+        progress(f"{size} MiB: amzn-sagemaker-checkpointing")
+        row.update(measure_library(state, agent_url, size, args.repeats))
+    return row
+
+
+def measure_dcp_shm(state: dict[str, Any], repeats: int, cuda: bool) -> dict[str, float]:
+    """PyTorch's FileSystemWriter / FileSystemReader on /dev/shm: a new directory per save (the
+    previous one removed), loads of the last."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+
     shm = Path(tempfile.mkdtemp(prefix="hpsim-bench-dcp-", dir="/dev/shm"))
     try:
         saves = []
-        for i in range(args.repeats):
+        for i in range(repeats):
             saves.append(
                 timed(
                     lambda i=i: save(state, storage_writer=FileSystemWriter(str(shm / f"step_{i}"))),
@@ -167,7 +182,7 @@ def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) 
             )
             if i:
                 shutil.rmtree(shm / f"step_{i - 1}", ignore_errors=True)
-        last = shm / f"step_{args.repeats - 1}"
+        last = shm / f"step_{repeats - 1}"
         target = {
             "model": {k: torch.empty_like(v) for k, v in state["model"].items()},
             "step": -1,
@@ -175,17 +190,11 @@ def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) 
         }
         loads = [
             timed(lambda: load(target, storage_reader=FileSystemReader(str(last))), sync=cuda)
-            for _ in range(args.repeats)
+            for _ in range(repeats)
         ]
-        row["dcp_shm_save_s"] = median_tail(saves)
-        row["dcp_shm_load_s"] = median_tail(loads)
+        return {"dcp_shm_save_s": median_tail(saves), "dcp_shm_load_s": median_tail(loads)}
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-
-    if not cuda and not args.skip_library:
-        progress(f"{size} MiB: amzn-sagemaker-checkpointing")
-        row.update(measure_library(state, agent_url, size, args.repeats))
-    return row
 
 
 def measure_library(state: dict[str, Any], agent_url: str, size: int, repeats: int) -> dict[str, float]:
