@@ -300,6 +300,43 @@ def _start_method() -> str:
     return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
+def row_of(
+    server: str,
+    operation: str,
+    concurrency: int,
+    reports: list[dict[str, Any]],
+    started: float,
+    cpu_before: float | None,
+    cpu_after: float | None,
+) -> Row:
+    """One cell's row from its clients' reports and the server's CPU time around it."""
+    ended = max(float(r["finished_at"]) for r in reports)
+    elapsed = ended - started
+    latencies_arr = array("d")
+    for r in reports:
+        latencies_arr.frombytes(r["latencies"])
+    latencies = sorted(latencies_arr)
+    errors = sum(int(r["errors"]) for r in reports)
+    loadgen_cpu = sum(float(r["cpu_s"]) for r in reports)
+    ok = len(latencies)
+    server_cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+    return Row(
+        operation=operation,
+        clients=concurrency,
+        server=server,
+        requests=ok,
+        errors=errors,
+        elapsed_s=round(elapsed, 3),
+        req_per_s=round(ok / elapsed, 1) if elapsed > 0 else 0.0,
+        p50_ms=round(percentile(latencies, 50) * 1000, 2),
+        p99_ms=round(percentile(latencies, 99) * 1000, 2),
+        server_cpu_pct=None if server_cpu is None else round(100 * server_cpu / elapsed, 1),
+        server_cpu_ms_per_req=None if server_cpu is None or ok == 0 else round(1000 * server_cpu / ok, 3),
+        loadgen_cpu_pct=round(100 * loadgen_cpu / elapsed, 1),
+        first_error=next((r["first_error"] for r in reports if r["first_error"]), None),
+    )
+
+
 def run_cell(
     server: Server,
     wire: WireRequest,
@@ -363,31 +400,7 @@ def run_cell(
                 proc.join(timeout=5)
         results.close()
 
-    ended = max(float(r["finished_at"]) for r in reports)
-    elapsed = ended - started
-    latencies_arr = array("d")
-    for r in reports:
-        latencies_arr.frombytes(r["latencies"])
-    latencies = sorted(latencies_arr)
-    errors = sum(int(r["errors"]) for r in reports)
-    loadgen_cpu = sum(float(r["cpu_s"]) for r in reports)
-    ok = len(latencies)
-    server_cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-    return Row(
-        operation=operation,
-        clients=concurrency,
-        server=server.name,
-        requests=ok,
-        errors=errors,
-        elapsed_s=round(elapsed, 3),
-        req_per_s=round(ok / elapsed, 1) if elapsed > 0 else 0.0,
-        p50_ms=round(percentile(latencies, 50) * 1000, 2),
-        p99_ms=round(percentile(latencies, 99) * 1000, 2),
-        server_cpu_pct=None if server_cpu is None else round(100 * server_cpu / elapsed, 1),
-        server_cpu_ms_per_req=None if server_cpu is None or ok == 0 else round(1000 * server_cpu / ok, 3),
-        loadgen_cpu_pct=round(100 * loadgen_cpu / elapsed, 1),
-        first_error=next((r["first_error"] for r in reports if r["first_error"]), None),
-    )
+    return row_of(server.name, operation, concurrency, reports, started, cpu_before, cpu_after)
 
 
 def _drain(results: multiprocessing.queues.Queue[dict[str, Any]], limit: int, timeout_s: float) -> str:
