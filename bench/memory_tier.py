@@ -70,7 +70,6 @@ from bench.memory_measure import (
     REFERENCE,
     TARGET_RSS_FACTOR,
     Agent,
-    AgentConnection,
     MemoryRow,
     ReplicationRow,
     Row,
@@ -85,6 +84,7 @@ from bench.memory_servers import (
     run_reference_server,
 )
 from bench.runner import LOCAL_AGENTS, BenchRun, Cell, Target, create_tiered_cluster, finish, median
+from bench.tier_agent import AgentConnection
 
 INSTANCE_TYPE = "ml.p5.48xlarge"
 PERCENTAGE = 20
