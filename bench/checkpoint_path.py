@@ -42,17 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import (  # noqa: E402
-    exit_on_sigterm,
-    fmt,
-    kill_leftover_agents,
-    progress,
-    ratio_vs_target,
-    start_hpsim,
-    stop_servers,
-    wait_ready,
-    write_json,
-)
+from bench.common import fmt, progress  # noqa: E402
+from bench.runner import BenchRun, Cell, Target, create_tiered_cluster, finish  # noqa: E402
 
 MIB = 1024 * 1024
 TENSORS = 16
@@ -88,7 +79,6 @@ def timed(fn: Callable[[], Any], *, sync: bool) -> float:
 
 def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) -> dict[str, Any]:
     import torch
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
@@ -164,10 +154,26 @@ def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) 
     floor.clear()
 
     progress(f"{size} MiB: DCP on /dev/shm")
+    row.update(measure_dcp_shm(state, args.repeats, cuda))
+
+    if not cuda and not args.skip_library:
+        progress(f"{size} MiB: amzn-sagemaker-checkpointing")
+        row.update(measure_library(state, agent_url, size, args.repeats))
+    return row
+
+
+def measure_dcp_shm(state: dict[str, Any], repeats: int, cuda: bool) -> dict[str, float]:
+    """PyTorch's FileSystemWriter / FileSystemReader on /dev/shm: a new directory per save (the
+    previous one removed), loads of the last."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+
     shm = Path(tempfile.mkdtemp(prefix="hpsim-bench-dcp-", dir="/dev/shm"))
     try:
         saves = []
-        for i in range(args.repeats):
+        for i in range(repeats):
             saves.append(
                 timed(
                     lambda i=i: save(state, storage_writer=FileSystemWriter(str(shm / f"step_{i}"))),
@@ -176,7 +182,7 @@ def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) 
             )
             if i:
                 shutil.rmtree(shm / f"step_{i - 1}", ignore_errors=True)
-        last = shm / f"step_{args.repeats - 1}"
+        last = shm / f"step_{repeats - 1}"
         target = {
             "model": {k: torch.empty_like(v) for k, v in state["model"].items()},
             "step": -1,
@@ -184,17 +190,11 @@ def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) 
         }
         loads = [
             timed(lambda: load(target, storage_reader=FileSystemReader(str(last))), sync=cuda)
-            for _ in range(args.repeats)
+            for _ in range(repeats)
         ]
-        row["dcp_shm_save_s"] = median_tail(saves)
-        row["dcp_shm_load_s"] = median_tail(loads)
+        return {"dcp_shm_save_s": median_tail(saves), "dcp_shm_load_s": median_tail(loads)}
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-
-    if not cuda and not args.skip_library:
-        progress(f"{size} MiB: amzn-sagemaker-checkpointing")
-        row.update(measure_library(state, agent_url, size, args.repeats))
-    return row
 
 
 def measure_library(state: dict[str, Any], agent_url: str, size: int, repeats: int) -> dict[str, float]:
@@ -232,20 +232,17 @@ def measure_library(state: dict[str, Any], agent_url: str, size: int, repeats: i
     return {"library_save_s": median_tail(saves), "library_load_s": median_tail(loads)}
 
 
-def ratios(row: dict[str, Any]) -> list[tuple[str, float, str, bool]]:
-    """(what, value, target, met) for one size."""
-    out = []
-    limit = 2.0 if row["device"] == "cuda" else 1.5
-    stall = row["fast_stall_per_floor"]
+def cells(row: dict[str, Any]) -> list[tuple[str, Cell]]:
+    """What this script judges for one size: (what is compared, its cell)."""
+    where = f"{row['size_mib']} MiB {row['device']}"
+    stall_target = Target("<=", 2.0 if row["device"] == "cuda" else 1.5)
     what = "pinned D2H copy" if row["device"] == "cuda" else "memcpy"
-    out.append(
-        (f"async_save stall / {what}, worst save after the first", stall, f"<= {limit}x", stall <= limit)
-    )
-    save_speedup = row["dcp_shm_save_s"] / row["fast_save_s"]
-    out.append(("DCP /dev/shm save / ours (fast path)", save_speedup, ">= 2x", save_speedup >= 2))
-    load_speedup = row["dcp_shm_load_s"] / row["fast_load_s"]
-    out.append(("DCP /dev/shm load / ours (fast path)", load_speedup, ">= 2x", load_speedup >= 2))
-    return out
+    found = [
+        (f"async_save stall / {what}, worst save after the first", row["fast_stall_per_floor"], stall_target),
+        ("DCP /dev/shm save / ours (fast path)", row["dcp_shm_save_s"] / row["fast_save_s"], Target(">=", 2)),
+        ("DCP /dev/shm load / ours (fast path)", row["dcp_shm_load_s"] / row["fast_load_s"], Target(">=", 2)),
+    ]
+    return [(what, Cell(f"{what}, {where}", value, target)) for what, value, target in found]
 
 
 def _line(row: dict[str, Any], path: str, stall: float | None, save: float | None, load: float | None) -> str:
@@ -303,11 +300,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             )
     lines.append("")
     for row in rows:
-        for what, value, target, met in ratios(row):
-            verdict = "met" if met else "NOT MET"
-            lines.append(
-                f"{row['size_mib']:>5} MiB {row['device']}: {what}: {value:.2f}x (target {target}) {verdict}"
-            )
+        for what, cell in cells(row):
+            lines.append(f"{row['size_mib']:>5} MiB {row['device']}: {what}: {cell.judged()}")
     return "\n".join(lines)
 
 
@@ -328,58 +322,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    exit_on_sigterm()
-    workdir = Path(tempfile.mkdtemp(prefix="hpsim-bench-ckpt-"))
-    shm_root = Path(f"/dev/shm/hpsim-bench-ckpt-{os.getpid()}")
-    os.environ["HPSIM_SIMULATION__SHM_ROOT"] = str(shm_root)  # the SDK here maps only under it
-    # Budget: the instance's memory x 20 % x scale; hold the largest state ~8 times (the fast
-    # path's rotation, retention 3 + 1, and the HTTP path's; older namespaces give way).
-    scale = max(sizes) * MIB * 8 / (2048 * 1024**3 * 0.2)
-    settings = {
-        "HPSIM_PROVISIONING__MODE": "local",
-        "HPSIM_SIMULATION__MEMORY_SCALE": f"{scale:.6f}",
-        "HPSIM_SIMULATION__SHM_ROOT": str(shm_root),
-        "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "120",
-        "HPSIM_S3__EMBEDDED": "false",
-    }
-    server = start_hpsim(workdir, settings)
-    try:
-        wait_ready(server, 60)
-        from sdk.client import HyperPodClient
-
-        with HyperPodClient(server.endpoint) as client:
-            client.create_cluster(
-                ClusterName="bench",
-                InstanceGroups=[
-                    {
-                        "InstanceGroupName": "workers",
-                        "InstanceType": "ml.p5.48xlarge",
-                        "InstanceCount": 1,
-                        "ExecutionRole": "arn:aws:iam::123456789012:role/bench",
-                    }
-                ],
-                Orchestrator={"Eks": {"ClusterArn": "arn:aws:eks:us-east-1:123456789012:cluster/bench"}},
-                TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20},
-            )
-            client.wait_until_in_service("bench", timeout=120)
-            # The default checkpoint policy (in-memory retention 3): what a job gets.
-            agent_url = client.agent_urls("bench")[0]
-        rows = [measure(args, agent_url, size, workdir) for size in sizes]
-        print(render_stalls(rows))
-        print(render(rows))
-        if args.json:
-            target_ratios = [
-                ratio_vs_target(f"{what}, {r['size_mib']} MiB {r['device']}", value, target, met)
-                for r in rows
-                for what, value, target, met in ratios(r)
-            ]
-            write_json(args.json, {"rows": rows, "target_ratios": target_ratios})
-    finally:
-        stop_servers([server])
-        kill_leftover_agents(workdir)
-        shutil.rmtree(shm_root, ignore_errors=True)
-        shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    with BenchRun("hpsim-bench-ckpt-", shm=True, shm_prefix=f"hpsim-bench-ckpt-{os.getpid()}-") as run:
+        os.environ["HPSIM_SIMULATION__SHM_ROOT"] = str(run.shm_root)  # the SDK here maps only under it
+        # Budget: the instance's memory x 20 % x scale; hold the largest state ~8 times (the fast
+        # path's rotation, retention 3 + 1, and the HTTP path's; older namespaces give way).
+        scale = max(sizes) * MIB * 8 / (2048 * 1024**3 * 0.2)
+        settings = {
+            "HPSIM_PROVISIONING__MODE": "local",
+            "HPSIM_SIMULATION__MEMORY_SCALE": f"{scale:.6f}",
+            "HPSIM_SIMULATION__SHM_ROOT": str(run.shm_root),
+            "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "120",
+            "HPSIM_S3__EMBEDDED": "false",
+        }
+        server = run.serve(settings)
+        run.ready(60, server)
+        # The default checkpoint policy (in-memory retention 3): what a job gets.
+        (agent,) = create_tiered_cluster(server, "bench", nodes=1, percentage=20, deadline_s=120)
+        rows = [measure(args, agent.endpoint, size, run.workdir) for size in sizes]
+        judged = [cell for row in rows for _, cell in cells(row)]
+        return finish(render_stalls(rows) + "\n" + render(rows), judged, args.json, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -234,11 +234,18 @@ def hpsim_command() -> list[str]:
 def start_hpsim(workdir: Path, settings: Mapping[str, str], name: str = HPSIM) -> Server:
     """``hyperpod-sim serve`` on a free port, data dir ``workdir/hpsim-data`` (a fresh SQLite
     database when ``workdir`` is new), log ``workdir/hpsim.log``, log level warning (no access
-    log); ``settings`` (``HPSIM_...`` variables) are added to this process's environment."""
+    log); ``settings`` (``HPSIM_...`` variables) are added to this process's environment. Its
+    embedded S3 (unless an endpoint or port is set) gets a free block of ports."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = dict(os.environ)
     env.update(settings)
+    if "HPSIM_S3__ENDPOINT_URL" not in env and "HPSIM_S3__EMBEDDED_PORT" not in env:
+        # serve embeds an S3 server on fixed default ports: another serve on this machine (a test
+        # run, a second script) would hold them.
+        from hyperpod_sim.embedded_s3 import free_embedded_port
+
+        env["HPSIM_S3__EMBEDDED_PORT"] = str(free_embedded_port())
     cmd = [
         *hpsim_command(),
         "serve",

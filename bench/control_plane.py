@@ -46,9 +46,7 @@ import multiprocessing.queues
 import multiprocessing.synchronize
 import os
 import queue
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from array import array
@@ -70,25 +68,20 @@ from bench.common import (
     fmt,
     free_port,
     int_list_option,
-    poll,
     progress,
-    ratio_vs_target,
     sagemaker_client,
     spawn,
-    start_hpsim,
-    stop_servers,
     table,
-    wait_ready,
     with_notes,
-    write_json,
 )
+from bench.runner import BenchRun, Cell, Target, finish, wait_in_service
 
 DESCRIBE = "DescribeCluster"
 CREATE = "CreateCluster"
 OPERATIONS = (DESCRIBE, CREATE)  # Create last: its background work must not skew Describe.
 MOTO = "moto"
 TARGET_CELL = (DESCRIBE, 8)
-TARGET_RATIO = 2.0
+TARGET = Target(">=", 2.0, ".1f")
 DESCRIBE_CLUSTER = "bench-describe"
 
 INSTANCE_GROUPS: list[dict[str, Any]] = [
@@ -157,21 +150,10 @@ def sanity_check(server: Server, client: Any, captured: dict[str, WireRequest]) 
     """Create the DescribeCluster target with boto3, check boto3 describes it, then check the raw
     replay of both recorded requests is answered the same way."""
     create_cluster(client, DESCRIBE_CLUSTER)
-    desc: dict[str, Any] = {}
-
-    def in_service() -> bool | None:
-        nonlocal desc
-        desc = client.describe_cluster(ClusterName=DESCRIBE_CLUSTER)
-        if desc.get("ClusterName") != DESCRIBE_CLUSTER:
-            raise RuntimeError(f"{server.name}: DescribeCluster returned {desc.get('ClusterName')!r}")
-        return True if desc.get("ClusterStatus") == "InService" else None
-
-    poll(
-        in_service,
-        30,
-        0.1,
-        lambda: TimeoutError(f"{server.name}: {DESCRIBE_CLUSTER} not InService: {desc.get('ClusterStatus')}"),
-    )
+    desc = client.describe_cluster(ClusterName=DESCRIBE_CLUSTER)  # recorded: the DescribeCluster cells'
+    if desc.get("ClusterName") != DESCRIBE_CLUSTER:
+        raise RuntimeError(f"{server.name}: DescribeCluster returned {desc.get('ClusterName')!r}")
+    wait_in_service(server, DESCRIBE_CLUSTER, 30)
     missing = [op for op in OPERATIONS if op not in captured]
     if missing:
         raise RuntimeError(f"{server.name}: no request captured from botocore for {missing}")
@@ -318,6 +300,43 @@ def _start_method() -> str:
     return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
+def row_of(
+    server: str,
+    operation: str,
+    concurrency: int,
+    reports: list[dict[str, Any]],
+    started: float,
+    cpu_before: float | None,
+    cpu_after: float | None,
+) -> Row:
+    """One cell's row from its clients' reports and the server's CPU time around it."""
+    ended = max(float(r["finished_at"]) for r in reports)
+    elapsed = ended - started
+    latencies_arr = array("d")
+    for r in reports:
+        latencies_arr.frombytes(r["latencies"])
+    latencies = sorted(latencies_arr)
+    errors = sum(int(r["errors"]) for r in reports)
+    loadgen_cpu = sum(float(r["cpu_s"]) for r in reports)
+    ok = len(latencies)
+    server_cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+    return Row(
+        operation=operation,
+        clients=concurrency,
+        server=server,
+        requests=ok,
+        errors=errors,
+        elapsed_s=round(elapsed, 3),
+        req_per_s=round(ok / elapsed, 1) if elapsed > 0 else 0.0,
+        p50_ms=round(percentile(latencies, 50) * 1000, 2),
+        p99_ms=round(percentile(latencies, 99) * 1000, 2),
+        server_cpu_pct=None if server_cpu is None else round(100 * server_cpu / elapsed, 1),
+        server_cpu_ms_per_req=None if server_cpu is None or ok == 0 else round(1000 * server_cpu / ok, 3),
+        loadgen_cpu_pct=round(100 * loadgen_cpu / elapsed, 1),
+        first_error=next((r["first_error"] for r in reports if r["first_error"]), None),
+    )
+
+
 def run_cell(
     server: Server,
     wire: WireRequest,
@@ -381,31 +400,7 @@ def run_cell(
                 proc.join(timeout=5)
         results.close()
 
-    ended = max(float(r["finished_at"]) for r in reports)
-    elapsed = ended - started
-    latencies_arr = array("d")
-    for r in reports:
-        latencies_arr.frombytes(r["latencies"])
-    latencies = sorted(latencies_arr)
-    errors = sum(int(r["errors"]) for r in reports)
-    loadgen_cpu = sum(float(r["cpu_s"]) for r in reports)
-    ok = len(latencies)
-    server_cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-    return Row(
-        operation=operation,
-        clients=concurrency,
-        server=server.name,
-        requests=ok,
-        errors=errors,
-        elapsed_s=round(elapsed, 3),
-        req_per_s=round(ok / elapsed, 1) if elapsed > 0 else 0.0,
-        p50_ms=round(percentile(latencies, 50) * 1000, 2),
-        p99_ms=round(percentile(latencies, 99) * 1000, 2),
-        server_cpu_pct=None if server_cpu is None else round(100 * server_cpu / elapsed, 1),
-        server_cpu_ms_per_req=None if server_cpu is None or ok == 0 else round(1000 * server_cpu / ok, 3),
-        loadgen_cpu_pct=round(100 * loadgen_cpu / elapsed, 1),
-        first_error=next((r["first_error"] for r in reports if r["first_error"]), None),
-    )
+    return row_of(server.name, operation, concurrency, reports, started, cpu_before, cpu_after)
 
 
 def _drain(results: multiprocessing.queues.Queue[dict[str, Any]], limit: int, timeout_s: float) -> str:
@@ -439,7 +434,7 @@ def render(rows: list[Row], ratios: dict[str, float | None], notes: list[str]) -
     lines.append("")
     for key, ratio in ratios.items():
         operation, clients = key.split("@")
-        target = f" (target >= {TARGET_RATIO:.1f}x)" if (operation, int(clients)) == TARGET_CELL else ""
+        target = f" (target {TARGET})" if (operation, int(clients)) == TARGET_CELL else ""
         lines.append(f"ratio {HPSIM}/{MOTO} {operation} @{clients} clients: {fmt(ratio, '.2f')}x{target}")
     errors = [r for r in rows if r.errors]
     if errors:
@@ -449,7 +444,34 @@ def render(rows: list[Row], ratios: dict[str, float | None], notes: list[str]) -
     return with_notes(lines, notes)
 
 
-def main(argv: list[str] | None = None) -> int:
+def notes_of(args: argparse.Namespace, rows: list[Row]) -> list[str]:
+    """The notes printed under the table (and kept in the JSON)."""
+    gen_ms = [10 * r.loadgen_cpu_pct / r.req_per_s for r in rows if r.req_per_s > 0]
+    gen_range = f"{min(gen_ms):.3f}-{max(gen_ms):.3f} ms" if gen_ms else "-"
+    return [
+        f"{args.duration:g}s per cell after {args.warmup} warm-up requests (split across clients); "
+        f"load generator: one {_start_method()}ed process per client, each with one "
+        "keep-alive http.client connection replaying the bytes boto3 sends (POST /, same headers, "
+        "recorded static SigV4 Authorization/X-Amz-Date, same JSON body; CreateCluster body "
+        "re-serialised per request with a unique ClusterName); boto3 only for setup and the "
+        "correctness check (describe_cluster returns the cluster on both servers).",
+        "a request counts as ok only with HTTP 200 and the full response body read; latency is "
+        "per request inside each client process (perf_counter), req/s is ok requests over the cell.",
+        f"the load generator and both servers still share this machine's {os.cpu_count()} CPU(s): "
+        "gen CPU% (sum over client processes, 100 = one core) is taken from the server's share; "
+        f"raw HTTP cost {gen_range} of client CPU per request in this run (boto3: ~0.85 ms), so the "
+        "ratio reflects the servers, but absolute req/s remain below what either server could do "
+        "on cores of its own.",
+        "srv CPU% is the server process's user+system time over the cell (100 = one core); "
+        "srv ms/req is server CPU per successful request.",
+        f"{HPSIM}: SQLite in a fresh temp dir, node ready delay 0, cluster limit raised; "
+        f"{MOTO}: ThreadedMotoServer (werkzeug, in-memory) in its own process, access log off.",
+        "CreateCluster on hyperpod-sim also triggers background reconciler work (node provisioning) "
+        "inside the measured server process.",
+    ]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -475,100 +497,74 @@ def main(argv: list[str] | None = None) -> int:
     unknown = wanted - set(OPERATIONS)
     if not wanted or unknown:
         parser.error(f"--operations must be a subset of {','.join(OPERATIONS)}; unknown: {sorted(unknown)}")
-    operations = [o for o in OPERATIONS if o in wanted]  # Create last, whatever the order given.
+    args.operations = [o for o in OPERATIONS if o in wanted]  # Create last, whatever the order given.
+    args.clients = levels
+    return args
 
-    workdir = Path(tempfile.mkdtemp(prefix="hpsim-bench-"))
-    servers: list[Server] = []
-    try:
-        hpsim = start_hpsim(workdir, HPSIM_SETTINGS)
-        servers.append(hpsim)
-        moto = start_moto(workdir)
-        servers.append(moto)
-        wait_ready(hpsim, args.startup_timeout)
-        wait_ready(moto, args.startup_timeout, path="/moto-api/")
 
-        wires: dict[str, dict[str, WireRequest]] = {}
-        for server in servers:
-            client = make_client(server.endpoint)
-            wires[server.name] = WireRecorder(client).captured  # until client.close()
-            sanity_check(server, client, wires[server.name])
-            client.close()
+def measure_cells(servers: list[Server], args: argparse.Namespace) -> list[Row]:
+    """Every operation, level and server: the boto3 setup and check, then one cell each."""
+    wires: dict[str, dict[str, WireRequest]] = {}
+    for server in servers:
+        client = make_client(server.endpoint)
+        wires[server.name] = WireRecorder(client).captured  # until client.close()
+        sanity_check(server, client, wires[server.name])
+        client.close()
 
-        rows: list[Row] = []
-        error_shown = False
-        for operation in operations:
-            for level in levels:
-                for server in servers:
-                    wire = wires[server.name][operation]
-                    row = run_cell(server, wire, operation, level, args.duration, args.warmup)
-                    rows.append(row)
-                    progress(f"  measured {operation}@{level} {server.name}: {row.req_per_s:.1f} req/s")
-                    if row.first_error and not error_shown:
-                        error_shown = True
-                        progress(f"  first error ({server.name} {operation}@{level}): {row.first_error}")
+    rows: list[Row] = []
+    error_shown = False
+    for operation in args.operations:
+        for level in args.clients:
+            for server in servers:
+                wire = wires[server.name][operation]
+                row = run_cell(server, wire, operation, level, args.duration, args.warmup)
+                rows.append(row)
+                progress(f"  measured {operation}@{level} {server.name}: {row.req_per_s:.1f} req/s")
+                if row.first_error and not error_shown:
+                    error_shown = True
+                    progress(f"  first error ({server.name} {operation}@{level}): {row.first_error}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with BenchRun("hpsim-bench-") as run:
+        hpsim = run.serve(HPSIM_SETTINGS)
+        moto = run.add(start_moto(run.workdir))
+        run.ready(args.startup_timeout, hpsim)
+        run.ready(args.startup_timeout, moto, path="/moto-api/")
+        rows = measure_cells(run.servers, args)
 
         by_cell = {(r.operation, r.clients, r.server): r for r in rows}
         ratios: dict[str, float | None] = {}
-        for operation in operations:
-            for level in levels:
+        for operation in args.operations:
+            for level in args.clients:
                 ours, theirs = by_cell[(operation, level, HPSIM)], by_cell[(operation, level, MOTO)]
                 ratios[f"{operation}@{level}"] = (
                     round(ours.req_per_s / theirs.req_per_s, 3) if theirs.req_per_s > 0 else None
                 )
-        target_ratio = ratios.get(f"{TARGET_CELL[0]}@{TARGET_CELL[1]}")
-        target_met = target_ratio is not None and target_ratio >= TARGET_RATIO
-
-        gen_ms = [10 * r.loadgen_cpu_pct / r.req_per_s for r in rows if r.req_per_s > 0]
-        gen_range = f"{min(gen_ms):.3f}-{max(gen_ms):.3f} ms" if gen_ms else "-"
-        notes = [
-            f"{args.duration:g}s per cell after {args.warmup} warm-up requests (split across clients); "
-            f"load generator: one {_start_method()}ed process per client, each with one "
-            "keep-alive http.client connection replaying the bytes boto3 sends (POST /, same headers, "
-            "recorded static SigV4 Authorization/X-Amz-Date, same JSON body; CreateCluster body "
-            "re-serialised per request with a unique ClusterName); boto3 only for setup and the "
-            "correctness check (describe_cluster returns the cluster on both servers).",
-            "a request counts as ok only with HTTP 200 and the full response body read; latency is "
-            "per request inside each client process (perf_counter), req/s is ok requests over the cell.",
-            f"the load generator and both servers still share this machine's {os.cpu_count()} CPU(s): "
-            "gen CPU% (sum over client processes, 100 = one core) is taken from the server's share; "
-            f"raw HTTP cost {gen_range} of client CPU per request in this run (boto3: ~0.85 ms), so the "
-            "ratio reflects the servers, but absolute req/s remain below what either server could do "
-            "on cores of its own.",
-            "srv CPU% is the server process's user+system time over the cell (100 = one core); "
-            "srv ms/req is server CPU per successful request.",
-            f"{HPSIM}: SQLite in a fresh temp dir, node ready delay 0, cluster limit raised; "
-            f"{MOTO}: ThreadedMotoServer (werkzeug, in-memory) in its own process, access log off.",
-            "CreateCluster on hyperpod-sim also triggers background reconciler work (node provisioning) "
-            "inside the measured server process.",
-        ]
-        print(render(rows, ratios, notes))
-        if args.json:
-            target_key = f"{TARGET_CELL[0]}@{TARGET_CELL[1]}"
-            what = f"{TARGET_CELL[0]} req/s, {TARGET_CELL[1]} clients, {HPSIM} / {MOTO}"
-            payload = {
-                "rows": [asdict(r) for r in rows],
-                "ratios": ratios,
-                # Empty when --operations or --clients left the target's cell out.
-                "target_ratios": [ratio_vs_target(what, target_ratio, f">= {TARGET_RATIO:.1f}x", target_met)]
-                if target_key in ratios
-                else [],
-                "target": {"cell": target_key, "min_ratio": TARGET_RATIO},
-                "target_met": target_met,
-                "config": {
-                    "duration_s": args.duration,
-                    "warmup": args.warmup,
-                    "clients": levels,
-                    "operations": operations,
-                    "load_generator": "raw http.client keep-alive, one process per client",
-                    "cpu_count": os.cpu_count(),
-                },
-                "notes": notes,
-            }
-            write_json(args.json, payload)
-        return 0
-    finally:
-        stop_servers(servers)
-        shutil.rmtree(workdir, ignore_errors=True)
+        target_key = f"{TARGET_CELL[0]}@{TARGET_CELL[1]}"
+        what = f"{TARGET_CELL[0]} req/s, {TARGET_CELL[1]} clients, {HPSIM} / {MOTO}"
+        cell = Cell(what, ratios.get(target_key), TARGET)
+        notes = notes_of(args, rows)
+        payload = {
+            "rows": [asdict(r) for r in rows],
+            "ratios": ratios,
+            "target": {"cell": target_key, "min_ratio": TARGET.bound},
+            "target_met": cell.met,
+            "config": {
+                "duration_s": args.duration,
+                "warmup": args.warmup,
+                "clients": args.clients,
+                "operations": args.operations,
+                "load_generator": "raw http.client keep-alive, one process per client",
+                "cpu_count": os.cpu_count(),
+            },
+            "notes": notes,
+        }
+        # No cell when --operations or --clients left the target's cell out.
+        cells = [cell] if target_key in ratios else []
+        return finish(render(rows, ratios, notes), cells, args.json, payload)
 
 
 if __name__ == "__main__":

@@ -40,10 +40,8 @@ import argparse
 import http.client
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,35 +58,35 @@ from bench.common import (
     WireRecorder,
     WireRequest,
     cpu_seconds,
-    exit_on_sigterm,
     fmt,
     http_json,
     int_list_option,
-    kill_leftover_agents,
     poll,
     progress,
-    ratio_vs_target,
     rss_bytes,
     sagemaker_client,
-    start_hpsim,
-    stop_servers,
     table,
-    wait_ready,
     with_notes,
-    write_json,
 )
-from infra.processes import find_agent_pids
+from bench.runner import (
+    EXECUTION_ROLE,
+    INSTANCE_TYPE,
+    LIFECYCLE,
+    ORCHESTRATOR,
+    BenchRun,
+    Cell,
+    Target,
+    finish,
+    node_agent_pids,
+)
 
-INSTANCE_TYPE = "ml.p5.48xlarge"
 GROUP = "workers"
 FIRST_PERCENTAGE = 20
 TARGET_SIZES = (1, 64)
-TARGET_MAX_RATIO = 10.0
+TARGET = Target("<", 10.0)
 POLL_INTERVAL_S = 0.002
 CREATE_POLL_INTERVAL_S = 0.05
 
-ORCHESTRATOR = {"Eks": {"ClusterArn": "arn:aws:eks:us-east-1:123456789012:cluster/bench"}}
-EXECUTION_ROLE = "arn:aws:iam::123456789012:role/hp"
 
 # Dozens of agent processes starting on two cores are slow: they must not be declared failed and
 # replaced mid-measurement. Heartbeats every 1 s; the per-cluster instance limit raised.
@@ -168,7 +166,7 @@ def create_cluster(client: Any, name: str, size: int) -> None:
                 "InstanceType": INSTANCE_TYPE,
                 "InstanceCount": size,
                 "ExecutionRole": EXECUTION_ROLE,
-                "LifeCycleConfig": {"SourceS3Uri": "s3://sagemaker-bench/lc/", "OnCreate": "on_create.sh"},
+                "LifeCycleConfig": LIFECYCLE,
             }
         ],
         Orchestrator=ORCHESTRATOR,
@@ -270,13 +268,13 @@ def wait_deleted(client: Any, server: Server, name: str, node_ids: list[str], de
                 if exc.response["Error"]["Code"] != "ResourceNotFound":
                     raise
                 gone = True
-        if gone and not any(find_agent_pids(n) for n in node_ids):
+        if gone and not any(node_agent_pids(n) for n in node_ids):
             return time.monotonic() - started
         return None
 
     def timed_out() -> TimeoutError:
         server.check_alive()
-        left = sum(len(find_agent_pids(n)) for n in node_ids)
+        left = sum(len(node_agent_pids(n)) for n in node_ids)
         return TimeoutError(
             f"{name}: {'gone' if gone else 'still described'}, {left} agent process(es) left "
             f"after {deadline_s}s"
@@ -328,7 +326,7 @@ def measure_size(
         if len(node_ids) != size:
             raise RuntimeError(f"{name}: {len(node_ids)} nodes listed, expected {size}")
         generation = verify_rollout(server, name, node_ids, None, FIRST_PERCENTAGE)
-        node_pids = {n: find_agent_pids(n) for n in node_ids}
+        node_pids = {n: node_agent_pids(n) for n in node_ids}
         missing = [n for n, pids in node_pids.items() if not pids]
         if missing:
             raise RuntimeError(f"{name}: no agent process found for {missing[:5]}")
@@ -415,7 +413,34 @@ def render(rows: list[Row], base: int, target_line: str | None, notes: list[str]
     return with_notes(lines, notes)
 
 
-def main(argv: list[str] | None = None) -> int:
+def notes_of(repeats: int) -> list[str]:
+    """The notes printed under the table (and kept in the JSON)."""
+    return [
+        "complete = the control plane's own verdict: DescribeCluster reports InService again after "
+        "UpdateCluster (Updating -> InService happens only once every node acknowledged the new "
+        "policy generation); rollout time runs from just before the boto3 update_cluster call to the "
+        "first DescribeCluster answer that says InService. After each rollout every node's "
+        "AgentStatus (REST) and every agent's GET /v1/policy were checked to hold the new generation "
+        "and percentage (untimed).",
+        f"polling: DescribeCluster every {POLL_INTERVAL_S * 1000:g} ms over one keep-alive http.client "
+        "connection replaying boto3's request (X-Amz-Target: SageMaker.DescribeCluster); creation "
+        f"polled every {CREATE_POLL_INTERVAL_S * 1000:g} ms. polls = DescribeCluster calls in one "
+        "rollout (median); each costs the server about half a millisecond of CPU (control_plane.py), "
+        "counted in srv CPU ms and taken from the rollout's share of the cores.",
+        f"the control plane, all agents and this script share this machine's {os.cpu_count()} CPU(s); "
+        "agents heartbeat every 1 s (a SQLite write each) throughout, so larger clusters also load "
+        "the server between rollouts.",
+        "create s includes N agent process starts and registrations; call ms is the UpdateCluster "
+        "call itself (boto3); srv/agt CPU ms are the median CPU time of the server process and of "
+        "all agents together during one rollout, polling included (from /proc, in "
+        f"{1000 // os.sysconf('SC_CLK_TCK')} ms ticks).",
+        "agt RSS MiB: mean VmRSS of the cluster's agent processes after its rollouts (max next to "
+        "it); srv RSS MiB: the control plane's VmRSS at the same moment.",
+        f"{repeats} rollout(s) per size, percentages 30, 40, ...; medians and mins over them.",
+    ]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -430,24 +455,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollout-timeout", type=float, default=120.0, help="seconds for one rollout")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    sizes = int_list_option(parser, "--sizes", args.sizes)
-    if not sizes or min(sizes) < 1 or max(sizes) > 1000 or args.repeats < 1:
+    args.sizes = int_list_option(parser, "--sizes", args.sizes)
+    if not args.sizes or min(args.sizes) < 1 or max(args.sizes) > 1000 or args.repeats < 1:
         parser.error("--sizes must list integers in 1..1000 and --repeats be >= 1")
+    return args
 
-    # SIGTERM (a timeout wrapper, a CI cancel) unwinds like Ctrl-C, so `finally` stops the agents.
-    exit_on_sigterm()
-    workdir = Path(tempfile.mkdtemp(prefix="hpsim-rollout-"))
-    server: Server | None = None
-    try:
-        server = start_hpsim(workdir, HPSIM_SETTINGS)
-        wait_ready(server, args.startup_timeout)
+
+def target_cell(rows: list[Row]) -> Cell | None:
+    """The one ratio judged: the largest target size's median rollout over the smallest's (None
+    when --sizes left either out)."""
+    by_size = {r.nodes: r for r in rows}
+    small, large = TARGET_SIZES
+    if small not in by_size or large not in by_size or by_size[small].median_ms <= 0:
+        return None
+    ratio = round(by_size[large].median_ms / by_size[small].median_ms, 3)
+    what = f"UpdateCluster -> all nodes acknowledged, {large}-node / {small}-node cluster"
+    return Cell(what, ratio, TARGET)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with BenchRun("hpsim-rollout-") as run:
+        server = run.serve(HPSIM_SETTINGS)
+        run.ready(args.startup_timeout, server)
         client = make_client(server.endpoint)
         client.list_clusters()  # load botocore's model outside any measurement
         # boto3's DescribeCluster request, recorded once (the cluster need not exist).
         describe = capture_describe(client, "bench-rollout-capture")
 
         rows: list[Row] = []
-        for size in sizes:
+        for size in args.sizes:
             row = measure_size(
                 client, server, describe, size, args.repeats, args.create_timeout, args.rollout_timeout
             )
@@ -460,75 +497,34 @@ def main(argv: list[str] | None = None) -> int:
         base = rows[0]
         for r in rows:
             r.ratio_to_base = round(r.median_ms / base.median_ms, 3) if base.median_ms > 0 else None
-        by_size = {r.nodes: r for r in rows}
-        small, large = TARGET_SIZES
-        target_ratio: float | None = None
-        target_met: bool | None = None
+        cell = target_cell(rows)
         target_line = None
-        if small in by_size and large in by_size and by_size[small].median_ms > 0:
-            target_ratio = round(by_size[large].median_ms / by_size[small].median_ms, 3)
-            target_met = target_ratio < TARGET_MAX_RATIO
+        if cell is not None:
+            small, large = TARGET_SIZES
             target_line = (
-                f"ratio {large} nodes / {small} node: {target_ratio:.1f}x (target < {TARGET_MAX_RATIO:g}x)"
-                f"{'' if target_met else '  NOT MET'}"
+                f"ratio {large} nodes / {small} node: {fmt(cell.value, '.1f')}x (target {cell.target})"
+                f"{'' if cell.met else '  NOT MET'}"
             )
-
-        notes = [
-            "complete = the control plane's own verdict: DescribeCluster reports InService again after "
-            "UpdateCluster (Updating -> InService happens only once every node acknowledged the new "
-            "policy generation); rollout time runs from just before the boto3 update_cluster call to the "
-            "first DescribeCluster answer that says InService. After each rollout every node's "
-            "AgentStatus (REST) and every agent's GET /v1/policy were checked to hold the new generation "
-            "and percentage (untimed).",
-            f"polling: DescribeCluster every {POLL_INTERVAL_S * 1000:g} ms over one keep-alive http.client "
-            "connection replaying boto3's request (X-Amz-Target: SageMaker.DescribeCluster); creation "
-            f"polled every {CREATE_POLL_INTERVAL_S * 1000:g} ms. polls = DescribeCluster calls in one "
-            "rollout (median); each costs the server about half a millisecond of CPU (control_plane.py), "
-            "counted in srv CPU ms and taken from the rollout's share of the cores.",
-            f"the control plane, all agents and this script share this machine's {os.cpu_count()} CPU(s); "
-            "agents heartbeat every 1 s (a SQLite write each) throughout, so larger clusters also load "
-            "the server between rollouts.",
-            "create s includes N agent process starts and registrations; call ms is the UpdateCluster "
-            "call itself (boto3); srv/agt CPU ms are the median CPU time of the server process and of "
-            "all agents together during one rollout, polling included (from /proc, in "
-            f"{1000 // os.sysconf('SC_CLK_TCK')} ms ticks).",
-            "agt RSS MiB: mean VmRSS of the cluster's agent processes after its rollouts (max next to "
-            "it); srv RSS MiB: the control plane's VmRSS at the same moment.",
-            f"{args.repeats} rollout(s) per size, percentages 30, 40, ...; medians and mins over them.",
-        ]
-        print(render(rows, base.nodes, target_line, notes))
-        if args.json:
-            what = f"UpdateCluster -> all nodes acknowledged, {large}-node / {small}-node cluster"
-            payload = {
-                "rows": [asdict(r) for r in rows],
-                "base_nodes": base.nodes,
-                # Empty when --sizes left out either size of the target.
-                "target_ratios": [
-                    ratio_vs_target(what, target_ratio, f"< {TARGET_MAX_RATIO:g}x", bool(target_met))
-                ]
-                if target_ratio is not None
-                else [],
-                "target": {"sizes": list(TARGET_SIZES), "max_ratio": TARGET_MAX_RATIO},
-                "ratio": target_ratio,
-                "target_met": target_met,
-                "config": {
-                    "sizes": sizes,
-                    "repeats": args.repeats,
-                    "poll_interval_ms": POLL_INTERVAL_S * 1000,
-                    "heartbeat_interval_s": 1,
-                    "instance_type": INSTANCE_TYPE,
-                    "cpu_count": os.cpu_count(),
-                },
-                "notes": notes,
-            }
-            write_json(args.json, payload)
-        return 0
-    finally:
-        stop_servers([] if server is None else [server])
-        left = kill_leftover_agents(workdir)
-        if left:
-            progress(f"  stopped {left} leftover agent process(es)")
-        shutil.rmtree(workdir, ignore_errors=True)
+        notes = notes_of(args.repeats)
+        payload = {
+            "rows": [asdict(r) for r in rows],
+            "base_nodes": base.nodes,
+            "target": {"sizes": list(TARGET_SIZES), "max_ratio": TARGET.bound},
+            "ratio": None if cell is None else cell.value,
+            "target_met": None if cell is None else cell.met,
+            "config": {
+                "sizes": args.sizes,
+                "repeats": args.repeats,
+                "poll_interval_ms": POLL_INTERVAL_S * 1000,
+                "heartbeat_interval_s": 1,
+                "instance_type": INSTANCE_TYPE,
+                "cpu_count": os.cpu_count(),
+            },
+            "notes": notes,
+        }
+        # No cell when --sizes left out either size of the target.
+        report = render(rows, base.nodes, target_line, notes)
+        return finish(report, [] if cell is None else [cell], args.json, payload)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,19 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float = 30.0, what: str =
         delay = min(delay * 2, 0.2)
 
 
+def sagemaker_client(url: str, *, validate: bool = True) -> Any:
+    """boto3's SageMaker client for a control plane at ``url``: test credentials, one attempt per
+    call, botocore's parameter validation unless ``validate`` is False."""
+    return boto3.client(
+        "sagemaker",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=Config(parameter_validation=validate, retries={"max_attempts": 1}),
+    )
+
+
 class ManualClock:
     """A clock the test moves; nothing in the service waits on wall time with it."""
 
@@ -107,14 +120,7 @@ class ControlPlane:
     database_url: str
 
     def client(self, *, validate: bool = True) -> Any:
-        return boto3.client(
-            "sagemaker",
-            endpoint_url=self.url,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            config=Config(parameter_validation=validate, retries={"max_attempts": 1}),
-        )
+        return sagemaker_client(self.url, validate=validate)
 
     def advance(self, seconds: float) -> None:
         """Move time on and let the reconciler act on it."""
@@ -330,14 +336,7 @@ class ServerProcess:
                 self.kill()
 
     def client(self) -> Any:
-        return boto3.client(
-            "sagemaker",
-            endpoint_url=self.url,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            config=Config(retries={"max_attempts": 1}),
-        )
+        return sagemaker_client(self.url)
 
 
 def kill_processes_under(path: Path) -> None:

@@ -13,16 +13,14 @@ the endpoint comes from ``AWS_ENDPOINT_URL``). ``--steps`` may be empty: then th
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import load
 from torch.distributed.checkpoint.state_dict_saver import async_save
+
+from tests.ranks import process_group, rank_parser, write_result
 
 
 def point_library_at(url: str) -> None:
@@ -43,21 +41,13 @@ def model_state(step: int, rank: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--master-port", type=int, required=True)
-    parser.add_argument("--agent-url", required=True)
-    parser.add_argument("--namespace", required=True)
+    parser = rank_parser()
     parser.add_argument("--steps", required=True)
     parser.add_argument("--load-step", type=int)
     parser.add_argument("--s3-base", default="")
     parser.add_argument("--expect-step", type=int, help="the step a load of the latest should find")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(args.master_port)
     point_library_at(args.agent_url)
     from amzn_sagemaker_checkpointing.checkpointing.filesystem import (
         SageMakerTieredStorageReader,
@@ -65,9 +55,8 @@ def main() -> int:
     )
     from amzn_sagemaker_checkpointing.config.sagemaker_checkpoint_config import SageMakerCheckpointConfig
 
-    dist.init_process_group(backend="gloo", rank=args.rank, world_size=args.world_size)
     result: dict[str, object] = {"rank": args.rank}
-    try:
+    with process_group(args):
         config = SageMakerCheckpointConfig(namespace=args.namespace, world_size=args.world_size)
         read_config = SageMakerCheckpointConfig(
             namespace=args.namespace, world_size=args.world_size, s3_tier_base_path=args.s3_base
@@ -96,9 +85,7 @@ def main() -> int:
         result["loaded_step"] = target["step"]
         result["equal"] = all(torch.equal(target[f"rank{args.rank}"][k], v) for k, v in expected.items())
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    Path(args.out).write_text(json.dumps(result))
+    write_result(args, result)
     return 0
 
 

@@ -11,11 +11,8 @@ values; it is a function of (step, rank), so a loaded state is checked exactly.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from sdk.checkpoint import TieredCheckpointConfig, TieredStorageWriter, load_latest
+from tests.ranks import process_group, rank_parser, write_result
 
 
 def training_state(step: int, rank: int) -> dict[str, Any]:
@@ -58,31 +56,22 @@ def same(a: Any, b: Any) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--master-port", type=int, required=True)
-    parser.add_argument("--agent-url", required=True)
-    parser.add_argument("--namespace", required=True)
+    parser = rank_parser()
     parser.add_argument("--save", default="")
     parser.add_argument("--async", dest="use_async", action="store_true")
     parser.add_argument("--http", action="store_true", help="no fast path")
     parser.add_argument("--crash-before-commit", type=int, help="stage this step, then exit hard")
     parser.add_argument("--load", action="store_true")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(args.master_port)
-    dist.init_process_group(backend="gloo", rank=args.rank, world_size=args.world_size)
-    config = TieredCheckpointConfig(
-        namespace=args.namespace,
-        world_size=args.world_size,
-        agent_url=args.agent_url,
-        fast_path=not args.http,
-    )
     result: dict[str, Any] = {"rank": args.rank, "saved": []}
-    try:
+    with process_group(args):
+        config = TieredCheckpointConfig(
+            namespace=args.namespace,
+            world_size=args.world_size,
+            agent_url=args.agent_url,
+            fast_path=not args.http,
+        )
         for step in [int(s) for s in args.save.split(",") if s]:
             writer = TieredStorageWriter(config, step=step)
             state = training_state(step, args.rank)
@@ -95,7 +84,7 @@ def main() -> int:
         if args.crash_before_commit is not None:
             writer = TieredStorageWriter(config, step=args.crash_before_commit)
             writer.stage(training_state(args.crash_before_commit, args.rank))
-            Path(args.out).write_text(json.dumps({"rank": args.rank, "staged": True}))
+            write_result(args, {"rank": args.rank, "staged": True})
             os._exit(0)  # dies with the step staged in shared memory, never committed
         if args.load:
             template = training_state(987, args.rank)  # same structure, other values
@@ -105,9 +94,7 @@ def main() -> int:
             result["served_by"] = {str(k): v for k, v in loaded.served_by.items()}
             result["equal"] = same(template, training_state(loaded.step, args.rank))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    Path(args.out).write_text(json.dumps(result))
+    write_result(args, result)
     return 0
 
 

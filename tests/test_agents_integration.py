@@ -6,6 +6,7 @@ loopback port) on the real clock, with short heartbeat intervals.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from tests.conftest import (
     shm_root_for,
     wait_for,
 )
+from tests.conftest import wait_status as conftest_wait_status
 
 GiB = 2**30
 SCALE = 1 / 1024  # the default simulation scale
@@ -59,13 +61,8 @@ def agent_policy(node: dict[str, Any]) -> dict[str, Any]:
     return policy
 
 
-def wait_status(sm: Any, name: str, status: str, timeout: float = 90) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        described: dict[str, Any] = sm.describe_cluster(ClusterName=name)
-        return described if described["ClusterStatus"] == status else None
-
-    result: dict[str, Any] = wait_for(check, timeout=timeout, what=f"{name} to be {status}")
-    return result
+# conftest's, with room for agent processes starting on a busy machine.
+wait_status = functools.partial(conftest_wait_status, timeout=90)
 
 
 def create_tiered(sm: Any, name: str, count: int, percentage: int = 20, **kwargs: Any) -> None:

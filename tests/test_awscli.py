@@ -4,9 +4,7 @@ the database could change, and each call starts a Python process)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -14,34 +12,13 @@ from typing import Any
 import pytest
 
 from tests.conftest import EKS, ControlPlane, group
+from tests.helpers import aws_cli
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
-AWS = Path(sys.executable).with_name("aws")
-
 
 def aws(control_plane: ControlPlane, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    assert AWS.is_file(), f"{AWS} is missing: install the dev extra (awscli)"
-    env = {
-        **os.environ,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        # Nothing from the machine's own AWS setup may leak in.
-        "AWS_CONFIG_FILE": str(tmp_path / "aws-config"),
-        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws-credentials"),
-        "AWS_PAGER": "",
-    }
-    env.pop("AWS_PROFILE", None)
-    env.pop("AWS_SESSION_TOKEN", None)
-    return subprocess.run(
-        [str(AWS), "sagemaker", *args, "--endpoint-url", control_plane.url, "--output", "json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return aws_cli(control_plane.url, tmp_path, *args)
 
 
 def aws_json(control_plane: ControlPlane, tmp_path: Path, *args: str) -> dict[str, Any]:

@@ -3,16 +3,14 @@ save (async_save) and load on the gloo backend, several steps, latest and a give
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import EKS, ROLE, ControlPlane, free_port, wait_for
+from tests.conftest import EKS, ROLE, ControlPlane, wait_for
+from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,33 +56,8 @@ def run_job(
     env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """One training job: world_size rank processes, rank r talking to urls[r % len(urls)]."""
-    port = free_port()
-    processes = []
-    for rank in range(world_size):
-        argv = [
-            sys.executable, "-m", "tests.dcp_worker",
-            "--rank", str(rank), "--world-size", str(world_size), "--master-port", str(port),
-            "--agent-url", urls[rank % len(urls)], "--namespace", namespace, "--steps", steps,
-            "--out", str(tmp_path / f"{namespace}-{rank}.json"),
-        ]  # fmt: skip
-        if load_step is not None:
-            argv += ["--load-step", str(load_step)]
-        argv += extra
-        log = open(tmp_path / f"{namespace}-{rank}.log", "wb")  # noqa: SIM115
-        processes.append(
-            (subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env), log)
-        )
-    try:
-        for process, log in processes:
-            process.wait(timeout=180)
-            log.close()
-    finally:
-        for process, _ in processes:
-            if process.poll() is None:
-                process.kill()
-    failed = [r for r, (p, _) in enumerate(processes) if p.returncode != 0]
-    assert not failed, {r: (tmp_path / f"{namespace}-{r}.log").read_text()[-3000:] for r in failed}
-    return [json.loads((tmp_path / f"{namespace}-{rank}.json").read_text()) for rank in range(world_size)]
+    args = ["--steps", steps, *(() if load_step is None else ("--load-step", str(load_step))), *extra]
+    return run_ranks(tmp_path, "tests.dcp_worker", urls, world_size, namespace, *args, env=env).results()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

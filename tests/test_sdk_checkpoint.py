@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import ControlPlane, free_port, wait_for
+from tests.conftest import ControlPlane, wait_for
+from tests.helpers import run_ranks
 from tests.test_memory_tier import cluster, latest, put, replicated, url
 from tests.test_s3_tier import agent_settings, bucket, markers, moto_url, proxy, s3, set_policy
 
@@ -34,30 +33,10 @@ def run(
     tmp_path: Path, urls: list[str], world: int, ns: str, *args: str, expect_ok: bool = True
 ) -> list[dict[str, Any]]:
     """One job: ``world`` rank processes, rank r through urls[r % len(urls)]."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        out = tmp_path / f"{ns}-{rank}.json"
-        out.unlink(missing_ok=True)
-        argv = [
-            sys.executable, "-m", "tests.sdk_worker", "--rank", str(rank), "--world-size", str(world),
-            "--master-port", str(port), "--agent-url", urls[rank % len(urls)], "--namespace", ns,
-            "--out", str(out), *args,
-        ]  # fmt: skip
-        log = open(tmp_path / f"{ns}-{rank}.log", "ab")  # noqa: SIM115
-        procs.append((subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for proc, log in procs:
-            proc.wait(timeout=180)
-            log.close()
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
+    job = run_ranks(tmp_path, "tests.sdk_worker", urls, world, ns, *args, append_logs=True)
     if expect_ok:
-        failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
-        assert not failed, {r: (tmp_path / f"{ns}-{r}.log").read_text()[-4000:] for r in failed}
-    return [json.loads((tmp_path / f"{ns}-{r}.json").read_text()) for r in range(world)]
+        return job.results()
+    return [json.loads(out.read_text()) for out in job.outs]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -8,17 +8,16 @@ it still restores the steps saved before, byte for byte. Back to Open, it saves 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import ControlPlane, free_port
+from tests.conftest import ControlPlane
+from tests.helpers import run_ranks
 from tests.security.test_agent_access import set_access
-from tests.test_memory_tier_library import ROOT, agents, run_job
+from tests.test_memory_tier_library import agents, run_job
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
@@ -30,27 +29,11 @@ def sm(agent_plane: ControlPlane) -> Any:
 
 def failing_save(tmp_path: Path, urls: list[str], world_size: int, namespace: str, step: int) -> list[str]:
     """A save of ``step`` that is expected to fail on every rank; each rank's log."""
-    port = free_port()
-    processes = []
-    for rank in range(world_size):
-        argv = [
-            sys.executable, "-m", "tests.dcp_worker",
-            "--rank", str(rank), "--world-size", str(world_size), "--master-port", str(port),
-            "--agent-url", urls[rank % len(urls)], "--namespace", namespace, "--steps", str(step),
-            "--out", str(tmp_path / f"refused-{rank}.json"),
-        ]  # fmt: skip
-        log = open(tmp_path / f"refused-{rank}.log", "wb")  # noqa: SIM115
-        processes.append((subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for process, log in processes:
-            process.wait(timeout=180)
-            log.close()
-    finally:
-        for process, _ in processes:
-            if process.poll() is None:
-                process.kill()
-    assert all(process.returncode != 0 for process, _ in processes)
-    return [(tmp_path / f"refused-{rank}.log").read_text(errors="replace") for rank in range(world_size)]
+    job = run_ranks(
+        tmp_path, "tests.dcp_worker", urls, world_size, namespace, "--steps", str(step), label="refused"
+    )
+    assert all(code != 0 for code in job.returncodes)
+    return job.log_texts()
 
 
 def test_library_saves_in_open_mode_and_only_restores_in_token_mode(

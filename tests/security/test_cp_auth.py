@@ -31,11 +31,11 @@ from botocore.exceptions import ClientError
 from sdk.auth import bearer_token
 from sdk.client import ClusterError, HyperPodClient
 from tests.conftest import ControlPlane, group
+from tests.helpers import aws_cli
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-AWS = Path(sys.executable).with_name("aws")
 USER, USER_SECRET = "AKIDUSEREXAMPLE", "user-secret-0123456789"
 ADMIN, ADMIN_SECRET = "AKIDADMINEXAMPLE", "admin-secret-0123456789"
 
@@ -260,27 +260,7 @@ def test_a_malformed_authorization_is_an_incomplete_signature(
 def aws(
     control_plane: ControlPlane, tmp_path: Path, key: str, secret: str, *args: str
 ) -> subprocess.CompletedProcess[str]:
-    assert AWS.is_file(), f"{AWS} is missing: install the dev extra (awscli)"
-    env = {
-        **os.environ,
-        "AWS_ACCESS_KEY_ID": key,
-        "AWS_SECRET_ACCESS_KEY": secret,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": str(tmp_path / "aws-config"),
-        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws-credentials"),
-        "AWS_PAGER": "",
-        "AWS_MAX_ATTEMPTS": "1",
-    }
-    env.pop("AWS_PROFILE", None)
-    env.pop("AWS_SESSION_TOKEN", None)
-    return subprocess.run(
-        [str(AWS), "sagemaker", *args, "--endpoint-url", control_plane.url, "--output", "json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return aws_cli(control_plane.url, tmp_path, *args, key=key, secret=secret, max_attempts=1)
 
 
 def test_the_aws_cli_signs_with_the_configured_key(control_plane: ControlPlane, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import ControlPlane, free_port, wait_for
+from tests.helpers import bearer
 from tests.test_agents_integration import create_tiered, nodes, start_agent
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -22,10 +23,6 @@ pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 @pytest.fixture
 def sm(agent_plane: ControlPlane) -> Any:
     return agent_plane.client()
-
-
-def bearer(token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def instance_events(sm: Any, name: str) -> list[dict[str, Any]]:

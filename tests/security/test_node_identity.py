@@ -19,6 +19,7 @@ import pytest
 
 from infra.processes import find_agent_pids
 from tests.conftest import ControlPlane, free_port, node_token, wait_for
+from tests.helpers import bearer
 from tests.test_agents_integration import create_tiered, event_texts, nodes
 from tests.test_memory_tier import create_namespace, get, put, replicated, url
 
@@ -28,10 +29,6 @@ pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 @pytest.fixture
 def sm(agent_plane: ControlPlane) -> Any:
     return agent_plane.client()
-
-
-def bearer(token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def register(plane: ControlPlane, cluster: str, token: str | None, **body: Any) -> httpx.Response:
