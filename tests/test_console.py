@@ -39,7 +39,7 @@ KEY, SECRET = "AKIDCONSOLE", "console-secret-key"
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
-    pytest.mark.skipif(CHROMIUM is None, reason="no chromium executable on PATH (apt-get install -y chromium)"),
+    pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install -y chromium)"),
 ]
 
 
