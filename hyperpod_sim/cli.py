@@ -71,6 +71,7 @@ def _serve_locked(settings: Settings, log_level: str) -> int:
             f"(database: {settings.database_url()}; {_auth_line(settings)})",
             flush=True,
         )
+        print(f"console at http://{settings.host}:{settings.port}/console", flush=True)
         # Returns after SIGINT or SIGTERM once the agents have stopped (drained to the S3 below).
         serving.run(app, host=settings.host, port=settings.port, log_level=log_level)
     finally:
