@@ -4,9 +4,10 @@
 console shows it: its summary, checkpoint policy, nodes in ring order (replica peers, memory held
 vs budget, S3 lag), the checkpoint map with what a restore would read right now, the faults in
 force and the newest events. Both carry an ``ETag``; a request with ``If-None-Match`` naming the
-current one is answered ``304 Not Modified`` without a body. A view is computed at most once per
-``MAX_AGE_S`` whatever the number of pollers (it asks the cluster's agents), so any number of open
-consoles costs the control plane about what one does. The web console (api/console_routes.py)
+current one is answered ``304 Not Modified`` without a body. What the database knows is read on
+every call (a few queries); what only the agents know (memory held, the checkpoint listing: a call
+to every agent) is asked at most once per ``MAX_AGE_S`` per cluster whatever the number of pollers,
+so any number of open consoles costs the agents what one does. The web console (api/console_routes.py)
 polls these every half second; docs/console.md has the numbers.
 """
 
@@ -29,7 +30,7 @@ from domain.overview import OverviewConfig, OverviewService, restore_plan
 
 router = APIRouter(tags=["overview"])
 
-MAX_AGE_S = 0.3
+MAX_AGE_S = 0.4
 EVENTS_SHOWN = 100
 
 
@@ -115,49 +116,62 @@ class ClusterOverview(ClusterSummary):
     Events: list[dict[str, Any]] = Field(description=f"The newest {EVENTS_SHOWN}, as ListClusterEvents.")
 
 
-class _Views:
-    """Computed views by key, each reused for ``MAX_AGE_S``; one computation at a time per key."""
+class _AgentViews:
+    """What the agents answered for a cluster (memory held, the checkpoint listing), by cluster,
+    reused for ``MAX_AGE_S``: one computation at a time per cluster, and while one runs, callers
+    that have an older answer get it instead of waiting."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
-        self._views: dict[str, tuple[float, str, bytes]] = {}
+        self._views: dict[str, tuple[float, Any]] = {}
 
-    def get(self, key: str, compute: Callable[[], Any]) -> tuple[str, bytes]:
+    def get(self, key: str, compute: Callable[[], Any]) -> Any:
         with self._lock:
             lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
+        found = self._views.get(key)
+        if found is not None and (
+            time.monotonic() - found[0] < MAX_AGE_S or not lock.acquire(blocking=False)
+        ):
+            return found[1]
+        if found is None:
+            lock.acquire()
+        try:
             found = self._views.get(key)
             if found is not None and time.monotonic() - found[0] < MAX_AGE_S:
-                return found[1], found[2]
-            body = json.dumps(compute(), separators=(",", ":"), default=str).encode()
-            etag = '"' + hashlib.sha256(body).hexdigest()[:20] + '"'
-            self._views[key] = (time.monotonic(), etag, body)
-            return etag, body
+                return found[1]
+            value = compute()
+            self._views[key] = (time.monotonic(), value)
+            return value
+        finally:
+            lock.release()
 
     def forget(self, key: str) -> None:
         self._views.pop(key, None)
 
 
-def _state(request: Request, services: Services) -> tuple[OverviewService, _Views]:
+def _state(request: Request, services: Services) -> tuple[OverviewService, _AgentViews]:
     """The app's overview service and views, made on first use (the services they read are built
     in the app's lifespan)."""
-    found: tuple[Services, OverviewService, _Views] | None = getattr(request.app.state, "overview", None)
+    found: tuple[Services, OverviewService, _AgentViews] | None = getattr(request.app.state, "overview", None)
     if found is None or found[0] is not services:
         config = OverviewConfig(memory_scale=services.settings.simulation.memory_scale)
-        found = (services, OverviewService(db=services.db, config=config), _Views())
+        found = (services, OverviewService(db=services.db, config=config), _AgentViews())
         request.app.state.overview = found
     return found[1], found[2]
 
 
-def _answer(request: Request, etag: str, body: bytes) -> Response:
+def _answer(request: Request, view: Any) -> Response:
+    """The view as JSON with its ETag, or 304 when ``If-None-Match`` names that ETag already."""
+    body = json.dumps(view, separators=(",", ":"), default=str).encode()
+    etag = '"' + hashlib.sha256(body).hexdigest()[:20] + '"'
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if etag in (tag.strip() for tag in request.headers.get("if-none-match", "").split(",")):
         return Response(status_code=304, headers=headers)
     return Response(body, media_type="application/json", headers=headers)
 
 
-_CONDITIONAL = {
+_CONDITIONAL: dict[int | str, dict[str, Any]] = {
     304: {"description": "Not Modified: `If-None-Match` names the current ETag (no body)."},
     401: {"description": "Without credentials while auth is on (docs/security.md)."},
 }
@@ -173,22 +187,30 @@ _CONDITIONAL = {
     responses=_CONDITIONAL,
 )
 async def clusters_overview(request: Request, services: ServicesDep) -> Response:
-    overview, views = _state(request, services)
+    overview, _ = _state(request, services)
     try:
-        etag, body = await run_in_threadpool(views.get, "", lambda: {"Clusters": overview.clusters()})
+        clusters = await run_in_threadpool(overview.clusters)
     except Exception as exc:
         raise as_aws_error(exc) from exc
-    return _answer(request, etag, body)
+    return _answer(request, {"Clusters": clusters})
 
 
-def _cluster_view(services: Services, overview: OverviewService, name: str) -> dict[str, Any]:
+def _cluster_view(services: Services, overview: OverviewService, agents: _AgentViews, name: str) -> Any:
+    """The database's part, read on every call (a few queries), and the agents' part, shared."""
     view = overview.cluster(name=name)
-    listing = services.checkpoints.list_checkpoints(name=view["ClusterName"])
-    _, faults = services.faults.list_faults(name=view["ClusterName"])
+    cluster = view["ClusterName"]
+
+    def ask_agents() -> tuple[dict[str, int | None], Any]:
+        return overview.memory_held(view["Nodes"]), services.checkpoints.list_checkpoints(name=cluster)
+
+    held, listing = agents.get(cluster, ask_agents)
+    for node in view["Nodes"]:
+        node["MemoryHeldBytes"] = held.get(node["InstanceId"])
+    _, faults = services.faults.list_faults(name=cluster)
     events = dispatch(
         services.clusters,
         "ListClusterEvents",
-        {"ClusterName": view["ClusterName"], "SortOrder": "Descending", "MaxResults": EVENTS_SHOWN},
+        {"ClusterName": cluster, "SortOrder": "Descending", "MaxResults": EVENTS_SHOWN},
     )["Events"]
     return {
         **view,
@@ -206,18 +228,17 @@ def _cluster_view(services: Services, overview: OverviewService, name: str) -> d
     "replica-ring order (replica peers, agent endpoint, applied generation, memory held vs budget, "
     "S3 lag, last error), the checkpoint map (GET /clusters/{name}/checkpoints, with the tier each "
     "rank of the newest complete step would be restored from), the faults in force and the newest "
-    "events. Answers an ETag; `If-None-Match` with it gets 304 while nothing changed. Computed at "
-    f"most every {MAX_AGE_S} s whatever the number of callers.",
+    "events. Answers an ETag; `If-None-Match` with it gets 304 while nothing changed. The agents' "
+    f"part (memory held, the checkpoint map) is asked at most every {MAX_AGE_S} s per cluster, "
+    "whatever the number of callers.",
     response_model=ClusterOverview,
     responses={**_CONDITIONAL, 404: {"description": "ResourceNotFound"}},
 )
 async def cluster_overview(name: str, request: Request, services: ServicesDep) -> Response:
-    overview, views = _state(request, services)
+    overview, agents = _state(request, services)
     try:
-        etag, body = await run_in_threadpool(
-            views.get, f"cluster:{name}", lambda: _cluster_view(services, overview, name)
-        )
+        view = await run_in_threadpool(_cluster_view, services, overview, agents, name)
     except Exception as exc:
-        views.forget(f"cluster:{name}")
+        agents.forget(name)
         raise as_aws_error(exc) from exc
-    return _answer(request, etag, body)
+    return _answer(request, view)

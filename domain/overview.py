@@ -1,11 +1,11 @@
 """What a console shows of the clusters in one answer each (the REST extension ``GET /overview`` and
 ``GET /clusters/{name}/overview``, api/overview.py).
 
-The clusters' summaries come from the database alone. A cluster's view adds, for every node, what
-only the database and the policy know (its place in the replica ring, its replica peers, its memory
-budget) and what only its agent knows: the bytes its in-memory tier holds, read from the agent's
-``/metrics`` (``hpsim_tier_bytes_held``), in parallel and with a short timeout, as the checkpoint
-listing asks the agents (domain/checkpoints.py). An agent that does not answer shows no bytes held.
+The clusters' summaries come from the database alone, and so does a cluster's view of its nodes:
+their place in the replica ring, their replica peers, their memory budget. What only the agents
+know, the bytes each in-memory tier holds, is asked separately (``memory_held``: the agent's
+``/metrics``, ``hpsim_tier_bytes_held``), in parallel and with a short timeout, as the checkpoint
+listing asks them (domain/checkpoints.py); an agent that does not answer shows no bytes held.
 """
 
 from __future__ import annotations
@@ -156,10 +156,14 @@ class OverviewService:
                         "LastError": node.last_error or (node.s3_status or {}).get("last_error"),
                     }
                 )
-        asked = [n for n in nodes if n["Status"] == NodeStatus.RUNNING and n["Endpoint"]]
-        for node, held in zip(asked, self._pool.map(self._held, [n["Endpoint"] for n in asked]), strict=True):
-            node["MemoryHeldBytes"] = held
         return {**summary, "CheckpointPolicy": policy.to_wire(), "Nodes": nodes}
+
+    def memory_held(self, nodes: list[dict[str, Any]]) -> dict[str, int | None]:
+        """Node id -> the bytes its agent's tier holds, for the Running nodes of a ``cluster`` view
+        (asked in parallel; None for an agent that does not answer)."""
+        asked = [n for n in nodes if n["Status"] == NodeStatus.RUNNING and n["Endpoint"]]
+        found = self._pool.map(self._held, [n["Endpoint"] for n in asked])
+        return {node["InstanceId"]: held for node, held in zip(asked, found, strict=True)}
 
     def _held(self, endpoint: str) -> int | None:
         try:
