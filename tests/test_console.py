@@ -4,7 +4,7 @@ chromium (Debian's package; .ci/run installs it), against a real control plane w
 The demo's story through the console alone: create a 3-node tiered cluster, see it InService, a
 trainer saves steps and the checkpoint map fills in, NodeLoss by a click, the node fails and is
 replaced and the map shows the replica serving, a fault injected and cleared, a database outage
-seen and survived. Then the auth-on login path. Every wait is a condition with a deadline
+seen and survived, the cluster deleted. Then the auth-on login path. Every wait is a condition with a deadline
 (Playwright's ``expect``); the run leaves a screenshot in docs/console.png for the README.
 """
 
@@ -98,6 +98,15 @@ def test_the_demo_story_through_the_console(
     expect(page.get_by_role("heading", name="Cluster demo")).to_be_visible()
     expect(page.locator('#nodes tr[data-status="Running"]')).to_have_count(3)
 
+    # TieredStorageConfig from the update form: 30 %, rolled out to every node.
+    page.get_by_text("Update counts and tiered storage").click()
+    update = page.locator("#update-form")
+    expect(update.get_by_label(re.compile("workers .* count"))).to_have_value("3")
+    update.get_by_label("Memory allocation %").fill("30")
+    update.get_by_role("button", name="Update cluster").click()
+    expect(page.locator("#summary")).to_contain_text("on, 30 %")
+    expect(page.locator("#summary")).to_contain_text("InService", timeout=SLOW)
+
     # The checkpoint policy from its form: S3 every 2 steps. The rollout shows as generations.
     page.get_by_text("Checkpoint policy").click()
     policy = page.locator("#policy-form")
@@ -150,6 +159,12 @@ def test_the_demo_story_through_the_console(
     expect(page.locator("#banner")).to_contain_text("503")
     expect(page.locator("#banner")).to_be_hidden(timeout=30_000)
     expect(page.locator("#live")).to_contain_text("live")
+
+    # Delete, confirmed in the browser's dialog: the cluster goes.
+    page.on("dialog", lambda dialog: dialog.accept())
+    row.get_by_role("button", name="Delete cluster demo").click()
+    expect(row).to_have_count(0, timeout=SLOW)
+    expect(page.locator("#clusters")).to_contain_text("No clusters yet")
 
 
 @pytest.fixture

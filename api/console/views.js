@@ -67,11 +67,11 @@ export function clustersTable(clusters, { onOpen, onDelete }) {
     h("tbody", {}, clusters.map((c) => h("tr", { "data-cluster": c.ClusterName },
       h("th", { scope: "row" }, h("a", { href: `#/clusters/${encodeURIComponent(c.ClusterName)}`,
         onclick: (e) => { e.preventDefault(); onOpen(c.ClusterName); } }, c.ClusterName)),
-      h("td", {}, status(c.ClusterStatus)),
-      h("td", {}, c.Orchestrator || "none"),
-      h("td", {}, tiered(c.TieredStorageConfig)),
-      h("td", {}, generation(c.AppliedPolicyGeneration, c.DesiredPolicyGeneration)),
-      h("td", { class: "node-counts" }, counts(c.NodeCounts)),
+      h("td", { "data-label": "Status" }, status(c.ClusterStatus)),
+      h("td", { "data-label": "Orchestrator" }, c.Orchestrator || "none"),
+      h("td", { "data-label": "Tiered storage" }, tiered(c.TieredStorageConfig)),
+      h("td", { "data-label": "Generation" }, generation(c.AppliedPolicyGeneration, c.DesiredPolicyGeneration)),
+      h("td", { class: "node-counts", "data-label": "Nodes" }, counts(c.NodeCounts)),
       h("td", {}, h("button", { type: "button", class: "danger",
         "aria-label": `Delete cluster ${c.ClusterName}`,
         disabled: !["InService", "Failed"].includes(c.ClusterStatus),
@@ -99,18 +99,18 @@ export function nodesTable(nodes, { onFault }) {
       "Applied generation", "Memory held / budget", "S3 lag", "Last error", "Faults"]
       .map((t) => h("th", { scope: "col" }, t)))),
     h("tbody", {}, nodes.map((n) => h("tr", { "data-node": n.InstanceId, "data-status": n.Status },
-      h("td", {}, n.RingPosition ?? "–"),
+      h("td", { "data-label": "Ring" }, n.RingPosition ?? "–"),
       h("th", { scope: "row" }, h("code", { title: n.InstanceType }, n.InstanceId),
         h("div", { class: "muted" }, `${n.InstanceGroupName} · ${n.InstanceType}`)),
-      h("td", {}, status(n.Status), n.StatusMessage ? h("div", { class: "muted" }, n.StatusMessage) : null),
-      h("td", {}, n.ReplicaPeers.length ? n.ReplicaPeers.map((p) => h("code", { title: p }, shortId(p), " "))
+      h("td", { "data-label": "Status" }, status(n.Status), n.StatusMessage ? h("div", { class: "muted" }, n.StatusMessage) : null),
+      h("td", { "data-label": "Replica peers" }, n.ReplicaPeers.length ? n.ReplicaPeers.map((p) => h("code", { title: p }, shortId(p), " "))
         : "–"),
-      h("td", {}, n.Endpoint ? h("code", {}, n.Endpoint) : "–"),
-      h("td", {}, n.AppliedPolicyGeneration),
-      h("td", {}, memoryBar(n)),
-      h("td", {}, n.S3LagSeconds === null || n.S3LagSeconds === undefined ? "–"
+      h("td", { "data-label": "Agent" }, n.Endpoint ? h("code", {}, n.Endpoint) : "–"),
+      h("td", { "data-label": "Applied generation" }, n.AppliedPolicyGeneration),
+      h("td", { "data-label": "Memory" }, memoryBar(n)),
+      h("td", { "data-label": "S3 lag" }, n.S3LagSeconds === null || n.S3LagSeconds === undefined ? "–"
         : `${n.S3LagSeconds.toFixed(1)} s (${n.S3PendingSteps ?? 0} pending)`),
-      h("td", { class: "error-text" }, n.LastError || "–"),
+      h("td", { class: "error-text", "data-label": "Last error" }, n.LastError || "–"),
       h("td", { class: "fault-buttons" }, NODE_FAULTS.map((type) => h("button", {
         type: "button", "data-fault": type, disabled: n.Status !== "Running",
         "aria-label": `${type} on ${n.InstanceId}`, onclick: () => onFault(type, n.InstanceId),
