@@ -7,7 +7,8 @@ force and the newest events. Both carry an ``ETag``; a request with ``If-None-Ma
 current one is answered ``304 Not Modified`` without a body. What the database knows is read on
 every call (a few queries); what only the agents know (memory held, the checkpoint listing: a call
 to every agent) is asked at most once per ``MAX_AGE_S`` per cluster whatever the number of pollers,
-so any number of open consoles costs the agents what one does. The web console (api/console_routes.py)
+in the background, so any number of open consoles costs the agents what one does and a slow agent
+delays no answer. The web console (api/console_routes.py)
 polls these every half second; docs/console.md has the numbers.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from api.deps import Services, ServicesDep, as_aws_error
 from api.operations import dispatch
 from domain.overview import OverviewConfig, OverviewService, restore_plan
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["overview"])
 
 MAX_AGE_S = 0.4
@@ -118,8 +121,10 @@ class ClusterOverview(ClusterSummary):
 
 class _AgentViews:
     """What the agents answered for a cluster (memory held, the checkpoint listing), by cluster,
-    reused for ``MAX_AGE_S``: one computation at a time per cluster, and while one runs, callers
-    that have an older answer get it instead of waiting."""
+    reused for ``MAX_AGE_S``. Past that, the caller still gets it at once and one refresh starts in
+    the background (one at a time per cluster): a slow or hung agent, or a slow S3 under an
+    injected fault, never holds up the database's part of anyone's view. Only the first call for a
+    cluster waits for its agents."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -130,19 +135,24 @@ class _AgentViews:
         with self._lock:
             lock = self._locks.setdefault(key, threading.Lock())
         found = self._views.get(key)
-        if found is not None and (
-            time.monotonic() - found[0] < MAX_AGE_S or not lock.acquire(blocking=False)
-        ):
+        if found is not None:
+            if time.monotonic() - found[0] >= MAX_AGE_S and lock.acquire(blocking=False):
+                threading.Thread(
+                    target=self._refresh, args=(key, compute, lock), name="overview-refresh", daemon=True
+                ).start()
             return found[1]
-        if found is None:
-            lock.acquire()
-        try:
+        with lock:
             found = self._views.get(key)
-            if found is not None and time.monotonic() - found[0] < MAX_AGE_S:
-                return found[1]
-            value = compute()
-            self._views[key] = (time.monotonic(), value)
-            return value
+            if found is None:
+                found = self._views[key] = (time.monotonic(), compute())
+            return found[1]
+
+    def _refresh(self, key: str, compute: Callable[[], Any], lock: threading.Lock) -> None:
+        try:
+            self._views[key] = (time.monotonic(), compute())
+        except Exception as exc:  # the next caller computes it again, and gets the error
+            log.info("overview of %s not refreshed: %s", key, exc)
+            self._views.pop(key, None)
         finally:
             lock.release()
 
