@@ -144,6 +144,13 @@ def update_latency(endpoint: str, agent: str, repeats: int) -> dict[str, list[fl
                 ),
             ]
             for kind, change, shows in changes:
+                # A policy change is accepted InService only: the previous rollout must be over.
+                poll(
+                    lambda: True if console.view and console.view["ClusterStatus"] == "InService" else None,
+                    120,
+                    0.05,
+                    lambda: TimeoutError("the cluster stayed Updating"),
+                )
                 started = time.monotonic()
                 change().raise_for_status()
 

@@ -205,17 +205,25 @@ $("update-form").addEventListener("submit", (event) => {
   event.preventDefault();
   const e = event.target.elements;
   const view = state.view;
-  const groups = view.InstanceGroups.map((g) => ({
-    InstanceGroupName: g.InstanceGroupName, InstanceType: g.InstanceType,
-    InstanceCount: Number(e[`count:${g.InstanceGroupName}`].value),
-    ExecutionRole: "arn:aws:iam::123456789012:role/HyperPodExecution",
-  }));
-  const body = {
-    InstanceGroups: groups,
-    TieredStorageConfig: e.tiered.checked
-      ? { Mode: "Enable", InstanceMemoryAllocationPercentage: Number(e.percentage.value) } : { Mode: "Disable" },
-  };
-  act("action-result", `Update ${view.ClusterName}`, () => call("PATCH", clusterPath(), { body }));
+  act("action-result", `Update ${view.ClusterName}`, async () => {
+    // Each group as DescribeCluster has it (role, lifecycle scripts), with the count asked for.
+    const described = (await call("GET", clusterPath())).data;
+    const groups = described.InstanceGroups.map((g) => {
+      const group = {
+        InstanceGroupName: g.InstanceGroupName, InstanceType: g.InstanceType,
+        InstanceCount: Number(e[`count:${g.InstanceGroupName}`]?.value ?? g.TargetCount),
+        ExecutionRole: g.ExecutionRole,
+      };
+      if (g.LifeCycleConfig) group.LifeCycleConfig = g.LifeCycleConfig;
+      return group;
+    });
+    const body = {
+      InstanceGroups: groups,
+      TieredStorageConfig: e.tiered.checked
+        ? { Mode: "Enable", InstanceMemoryAllocationPercentage: Number(e.percentage.value) } : { Mode: "Disable" },
+    };
+    await call("PATCH", clusterPath(), { body });
+  });
 });
 
 $("policy-form").addEventListener("submit", (event) => {
