@@ -10,6 +10,7 @@ seen and survived, the cluster deleted. Then the auth-on login path. Every wait 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -218,3 +219,22 @@ def test_with_auth_on_the_console_asks_for_a_key_and_sends_its_token(
     dialog.get_by_label("Bearer token").fill(token)
     dialog.get_by_role("button", name="Sign in").click()
     expect(page.locator('tr[data-cluster="guarded"]')).to_be_visible()
+
+    # A pasted CreateCluster request goes out with the token too.
+    page.get_by_text("Create a cluster").click()
+    request = {
+        "ClusterName": "pasted",
+        "InstanceGroups": [
+            {
+                "InstanceGroupName": "w",
+                "InstanceType": "ml.c5.large",
+                "InstanceCount": 2,
+                "ExecutionRole": "arn:aws:iam::123456789012:role/x",
+            }
+        ],
+        "Orchestrator": {"Slurm": {}},
+    }
+    page.get_by_label("paste a CreateCluster request").fill(json.dumps(request))
+    page.get_by_role("button", name="Create from JSON").click()
+    expect(page.locator('tr[data-cluster="pasted"]')).to_contain_text("Slurm")
+    expect(page.locator('tr[data-cluster="pasted"]')).to_contain_text("2 Pending")
