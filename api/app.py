@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api import agent_routes, extension_routes, rest
+from api import agent_routes, console_routes, extension_routes, rest
 from api.auth import Authenticator
 from api.awsjson import AwsJsonEntry
 from api.deps import Services, ServicesDep, as_aws_error, error_response
@@ -220,6 +220,7 @@ def create_app(
     app.include_router(rest.router)
     app.include_router(extension_routes.router)
     app.include_router(agent_routes.router)
+    console_routes.install(app)
     app.add_middleware(AwsJsonEntry)
     # Outermost of our layers: nothing reaches a route (or the AWS JSON entry) without passing it.
     app.add_middleware(

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 AMZ_JSON = "application/x-amz-json-1.1"
 OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 AGENT_PREFIX = "/agent/"
+# The web console's static files and the root page (api/console_routes.py): no data, like /docs.
+CONSOLE_PAGES = ("/", "/console")
 # REST answers a missing or refused credential 401 (with a WWW-Authenticate challenge); the AWS JSON
 # entry answers with AWS's own statuses.
 _REST_UNAUTHORIZED = (MissingAuthenticationToken, UnrecognizedClientException, InvalidSignatureException)
@@ -135,6 +137,8 @@ class RequestGate:
             return None
         path: str = scope["path"]
         if path in OPEN_PATHS or path.startswith(AGENT_PREFIX):
+            return None
+        if scope["method"] in ("GET", "HEAD") and (path in CONSOLE_PAGES or path.startswith("/console/")):
             return None
         headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
         request = IncomingRequest(

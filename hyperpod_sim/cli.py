@@ -68,7 +68,8 @@ def _serve_locked(settings: Settings, log_level: str) -> int:
         app = create_app(settings, agent_env=agent_env)
         print(
             f"hyperpod-sim control plane on http://{settings.host}:{settings.port} "
-            f"(database: {settings.database_url()}; {_auth_line(settings)})",
+            f"(database: {settings.database_url()}; {_auth_line(settings)})\n"
+            f"console at http://{settings.host}:{settings.port}/console",
             flush=True,
         )
         # Returns after SIGINT or SIGTERM once the agents have stopped (drained to the S3 below).
