@@ -2,12 +2,6 @@ FROM python:3.11-slim
 
 WORKDIR /app
 COPY pyproject.toml README.md alembic.ini ./
-COPY api api
-COPY domain domain
-COPY models models
-COPY migrations migrations
-COPY agents agents
-COPY sdk sdk
 COPY hyperpod_sim hyperpod_sim
 RUN pip install --no-cache-dir '.[server]'
 

@@ -82,7 +82,7 @@ def measure(args: argparse.Namespace, agent_url: str, size: int, workdir: Path) 
     from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
-    from sdk.checkpoint import TieredCheckpointConfig, TieredStorageReader, TieredStorageWriter
+    from hyperpod_sim.sdk.checkpoint import TieredCheckpointConfig, TieredStorageReader, TieredStorageWriter
 
     cuda = args.device == "cuda"
     state = state_dict(size, args.device)

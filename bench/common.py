@@ -42,7 +42,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
-from infra.processes import pids_mentioning
+from hyperpod_sim.infra.processes import pids_mentioning
 
 HOST = "127.0.0.1"
 REGION = "us-east-1"

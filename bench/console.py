@@ -7,7 +7,7 @@ Usage::
 ``hyperpod-sim serve`` runs as a subprocess (fresh SQLite data dir, ``local`` provisioner: every
 node a real agent process, heartbeats every 1 s) with one tiered cluster of ``--nodes`` nodes and
 one checkpoint namespace, so that every view asks every agent for its index and its metrics. A
-console is emulated by what its page does (api/console/app.js): ``GET /clusters/{name}/overview``
+console is emulated by what its page does (hyperpod_sim/api/console/app.js): ``GET /clusters/{name}/overview``
 every 0.5 s with ``If-None-Match``, and ``GET /faults`` every 1 s.
 
 1. CPU of the control plane process (``/proc/<pid>/stat``) and of all agents over ``--window``
@@ -48,9 +48,9 @@ from bench.common import (
     with_notes,
     write_json,
 )
-from domain.provisioning import find_agent_pids
+from hyperpod_sim.domain.provisioning import find_agent_pids
 
-STATIC = Path(__file__).resolve().parent.parent / "api" / "console"
+STATIC = Path(__file__).resolve().parent.parent / "hyperpod_sim" / "api" / "console"
 SETTINGS = {
     "HPSIM_PROVISIONING__MODE": "local",
     "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "1",
@@ -167,7 +167,9 @@ def update_latency(endpoint: str, agent: str, repeats: int) -> dict[str, list[fl
 
 
 def weight() -> tuple[int, int]:
-    files = [STATIC / name for name in ("index.html", "app.js", "api.js", "views.js", "style.css")]
+    files = [
+        STATIC / name for name in ("index.html", "app.js", "hyperpod_sim.api.js", "views.js", "style.css")
+    ]
     raw = sum(f.stat().st_size for f in files)
     return raw, sum(len(gzip.compress(f.read_bytes())) for f in files)
 

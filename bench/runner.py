@@ -146,13 +146,13 @@ class NodeAgent:
 def node_agent_pids(node_id: str) -> list[int]:
     """The processes of the agent serving ``node_id`` (the one place bench/ asks the provisioner's
     process scan; ``infra.processes.find_agent_pids``)."""
-    from infra.processes import find_agent_pids
+    from hyperpod_sim.infra.processes import find_agent_pids
 
     return find_agent_pids(node_id)
 
 
 def _client(server: Server) -> Any:
-    from sdk.client import HyperPodClient  # here: the scripts' helper processes never need boto3
+    from hyperpod_sim.sdk.client import HyperPodClient  # here: the scripts' helper processes never need boto3
 
     return HyperPodClient(server.endpoint, timeout_s=60)
 
@@ -160,7 +160,7 @@ def _client(server: Server) -> Any:
 def wait_in_service(server: Server, name: str, deadline_s: float, client: Any = None) -> None:
     """Until DescribeCluster says InService (``HyperPodClient.wait_until_in_service``); RuntimeError
     with the server's log tail if the cluster fails, the wait times out or the server exits."""
-    from sdk.client import ClusterError
+    from hyperpod_sim.sdk.client import ClusterError
 
     own = client is None
     client = _client(server) if own else client

@@ -119,8 +119,8 @@ def s3_client(endpoint: str) -> Any:
 
 
 def agent_objects(endpoint: str) -> Any:
-    """The agent's own S3 client (agents/s3objects.py), in this process."""
-    from agents.s3objects import S3Objects
+    """The agent's own S3 client (hyperpod_sim/agents/s3objects.py), in this process."""
+    from hyperpod_sim.agents.s3objects import S3Objects
 
     return S3Objects(endpoint_url=endpoint, region=REGION)
 

@@ -277,7 +277,7 @@ def render(
 
 def notes_of(args: argparse.Namespace, s3_server: S3Server) -> list[str]:
     """The notes printed under the tables (and kept in the JSON)."""
-    from agents.s3objects import PART_BYTES, PART_THREADS
+    from hyperpod_sim.agents.s3objects import PART_BYTES, PART_THREADS
 
     return [
         f"throughput: {BASELINE} = this process's upload_fileobj with boto3's defaults (8 MiB parts, 10 "
@@ -397,7 +397,7 @@ def json_payload(
     notes: list[str],
 ) -> dict[str, Any]:
     """The JSON's members beside ``target_ratios``."""
-    from agents.s3objects import PART_BYTES, PART_THREADS
+    from hyperpod_sim.agents.s3objects import PART_BYTES, PART_THREADS
 
     p50 = latency_ratio(latency, ON, "p50_s")
     return {

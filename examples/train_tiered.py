@@ -33,7 +33,7 @@ EKS = {"Eks": {"ClusterArn": "arn:aws:eks:us-east-1:123456789012:cluster/hpsim-e
 
 def ensure_cluster(args: argparse.Namespace) -> list[str]:
     """The cluster's agent endpoints, one per rank's node, creating the cluster if needed."""
-    from sdk.client import ClusterError, HyperPodClient
+    from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 
     with HyperPodClient(args.endpoint_url) as client:
         try:
@@ -112,7 +112,12 @@ def train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
-    from sdk.checkpoint import CheckpointNotFound, TieredCheckpointConfig, TieredStorageWriter, load_latest
+    from hyperpod_sim.sdk.checkpoint import (
+        CheckpointNotFound,
+        TieredCheckpointConfig,
+        TieredStorageWriter,
+        load_latest,
+    )
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.master_port))
     dist.init_process_group("gloo", rank=args.rank, world_size=args.ranks)

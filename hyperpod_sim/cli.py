@@ -47,8 +47,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_locked(settings: Settings, log_level: str) -> int:
     """``serve`` once it holds the data dir (hyperpod_sim/serving.py)."""
-    from api.app import create_app
     from hyperpod_sim import serving
+    from hyperpod_sim.api.app import create_app
 
     embedded = None
     agent_env: dict[str, str] = {}
@@ -130,8 +130,8 @@ def _agent_flag(loc: tuple[int | str, ...]) -> str:
 def _agent(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from agents.config import AgentSettings
-    from agents.main import run
+    from hyperpod_sim.agents.config import AgentSettings
+    from hyperpod_sim.agents.main import run
 
     # Flags win over HPSIM_AGENT_* variables: only the flags given are passed on.
     overrides = {name: getattr(args, name) for name in _AGENT_FLAGS if getattr(args, name) is not None}

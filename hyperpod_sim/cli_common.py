@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from sdk.client import HyperPodClient
+    from hyperpod_sim.sdk.client import HyperPodClient
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:8080"
 DEFAULT_WAIT_S = 600.0
@@ -136,7 +136,7 @@ def wait_in_service(client: HyperPodClient, name: str, timeout: float) -> dict[s
 
 
 def client_for(args: argparse.Namespace) -> HyperPodClient:
-    from sdk.client import HyperPodClient
+    from hyperpod_sim.sdk.client import HyperPodClient
 
     endpoint = args.endpoint_url or os.environ.get("HPSIM_ENDPOINT_URL") or DEFAULT_ENDPOINT
     # Credentials: the boto3 chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, --profile).
@@ -149,7 +149,7 @@ def epoch_time(value: object) -> object:
 
 def run(args: argparse.Namespace) -> int:
     """Run the command ``args.action`` names; errors as one line on stderr, exit status 1."""
-    from sdk.client import ClusterError
+    from hyperpod_sim.sdk.client import ClusterError
 
     action: Callable[[HyperPodClient, argparse.Namespace], int] = args.action
     try:

@@ -1,5 +1,5 @@
 """``hyperpod-sim cluster ...`` and ``hyperpod-sim checkpoints``: the control plane from a shell,
-built on the SDK's HyperPodClient (sdk/client.py; docs/sdk.md). ``hyperpod-sim fault ...`` is
+built on the SDK's HyperPodClient (hyperpod_sim/sdk/client.py; docs/sdk.md). ``hyperpod-sim fault ...`` is
 hyperpod_sim/fault_cli.py; what the commands share, hyperpod_sim/cli_common.py.
 
 Only argparse (and the extensions model's JSON, for the checkpoint policy's members) is loaded
@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from contracts import extensions
 from hyperpod_sim import fault_cli
 from hyperpod_sim.cli_common import (
     CommandError,
@@ -34,9 +33,10 @@ from hyperpod_sim.cli_common import (
     wait_flags,
     wait_in_service,
 )
+from hyperpod_sim.contracts import extensions
 
 if TYPE_CHECKING:
-    from sdk.client import HyperPodClient
+    from hyperpod_sim.sdk.client import HyperPodClient
 
 DEFAULT_EXECUTION_ROLE = "arn:aws:iam::123456789012:role/HyperPodExecution"
 DEFAULT_EKS_CLUSTER_ARN = "arn:aws:eks:us-east-1:123456789012:cluster/hyperpod-sim"
@@ -416,7 +416,7 @@ def checkpoints(client: HyperPodClient, args: argparse.Namespace) -> int:
 
 def auth_token(args: argparse.Namespace) -> int:
     """Print the bearer token of the access key the other commands sign with."""
-    from sdk.auth import bearer_token, resolve_access_key
+    from hyperpod_sim.sdk.auth import bearer_token, resolve_access_key
 
     key = resolve_access_key(profile=args.profile)
     if key is None:

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if not EXAMPLE.exists():
         print(f"error: the demo needs {EXAMPLE} (run it from the repository checkout)", file=sys.stderr)
         return 1
-    from sdk.client import HyperPodClient
+    from hyperpod_sim.sdk.client import HyperPodClient
 
     workdir = Path(tempfile.mkdtemp(prefix="hpsim-demo-"))
     shm_root = Path(f"/dev/shm/hpsim-demo-{os.getpid()}")
@@ -150,7 +150,7 @@ def _train(
 
 
 def _scenario(args: argparse.Namespace, client: Any, url: str, workdir: Path) -> dict[str, Any]:
-    from sdk.client import ClusterError
+    from hyperpod_sim.sdk.client import ClusterError
 
     _say(f"run 1: 2 ranks on a 3-node cluster; node loss injected after step {args.fail_at}")
     victim: dict[str, str] = {}

@@ -1,6 +1,6 @@
 """``hyperpod-sim fault ...``: inject, list and clear faults (docs/sdk.md#faults), through the
 SDK's HyperPodClient. The fault types, the members each takes and their limits are the extensions
-model's (contracts/extensions.json), read when the parser is built (JSON only, no botocore).
+model's (hyperpod_sim/contracts/extensions.json), read when the parser is built (JSON only, no botocore).
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from contracts import extensions
 from hyperpod_sim.cli_common import as_json, epoch_time, fields, run, table
+from hyperpod_sim.contracts import extensions
 
 if TYPE_CHECKING:
-    from sdk.client import HyperPodClient
+    from hyperpod_sim.sdk.client import HyperPodClient
 
 
 def _fault_details(fault: dict[str, Any]) -> str | None:

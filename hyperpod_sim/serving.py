@@ -10,7 +10,7 @@ SQLite file), and a graceful stop that leaves no agent process behind.
   (to the server's pid) both stop it gracefully: the reconciler stops, then every agent it runs is
   told to stop (SIGTERM) and waited for, while the API still answers (a draining agent may call
   it) and before the embedded S3 endpoint stops (the agents drain their newest complete step to
-  it). Agents run in sessions of their own (infra/local.py), so the Ctrl+C reaches only
+  it). Agents run in sessions of their own (hyperpod_sim/infra/local.py), so the Ctrl+C reaches only
   this process; a second Ctrl+C kills the agents still draining. Shared memory is kept: the next
   ``serve`` starts the agents again on the same nodes, and they find their shards.
 """

@@ -29,8 +29,8 @@ from botocore.config import Config
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from api.app import create_app
-from api.deps import Services
+from hyperpod_sim.api.app import create_app
+from hyperpod_sim.api.deps import Services
 from hyperpod_sim.embedded_s3 import free_embedded_port
 from hyperpod_sim.settings import Settings
 
@@ -402,11 +402,11 @@ def agent_plane(
 
 
 def node_token(plane: ControlPlane, node_id: str) -> str:
-    """A new node token for ``node_id``, made as registration makes one (domain/credentials.py),
+    """A new node token for ``node_id``, made as registration makes one (hyperpod_sim/domain/credentials.py),
     for a test that plays the node's agent at the control plane. The token the node's agent held
     stops working (its pushes from the control plane still do)."""
-    from domain import credentials
-    from models import Node
+    from hyperpod_sim.domain import credentials
+    from hyperpod_sim.models import Node
 
     with plane.services.db.write() as session:
         node = session.get(Node, node_id)
@@ -416,9 +416,9 @@ def node_token(plane: ControlPlane, node_id: str) -> str:
 
 def launch_secret(plane: ControlPlane, node_id: str) -> str:
     """Bind ``node_id`` to a new launch secret, as the local provisioner does for each agent process
-    it starts (domain/credentials.py): for a test that starts the node's agent by hand."""
-    from domain import credentials
-    from models import Node
+    it starts (hyperpod_sim/domain/credentials.py): for a test that starts the node's agent by hand."""
+    from hyperpod_sim.domain import credentials
+    from hyperpod_sim.models import Node
 
     with plane.services.db.write() as session:
         node = session.get(Node, node_id)

@@ -1,4 +1,4 @@
-"""One rank of a training job that checkpoints with hyperpod-sim's SDK (``sdk/checkpoint.py``).
+"""One rank of a training job that checkpoints with hyperpod-sim's SDK (``hyperpod_sim/sdk/checkpoint.py``).
 
 Run by tests as a subprocess, one per rank, gloo on loopback:
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
-from sdk.checkpoint import TieredCheckpointConfig, TieredStorageWriter, load_latest
+from hyperpod_sim.sdk.checkpoint import TieredCheckpointConfig, TieredStorageWriter, load_latest
 from tests.ranks import process_group, rank_parser, write_result
 
 

@@ -14,11 +14,11 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from domain.checkpoint_policy import S3Endpoint
-from domain.clock import Ids
-from domain.clusters import ClusterService, DomainConfig
-from domain.reconciler import Reconciler, ReconcilerConfig
-from models import Cluster, ClusterEvent, Database, Node
+from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
+from hyperpod_sim.domain.clock import Ids
+from hyperpod_sim.domain.clusters import ClusterService, DomainConfig
+from hyperpod_sim.domain.reconciler import Reconciler, ReconcilerConfig
+from hyperpod_sim.models import Cluster, ClusterEvent, Database, Node
 from tests.conftest import ManualClock
 
 

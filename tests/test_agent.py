@@ -27,10 +27,10 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from agents.control_plane import ControlPlaneClient
-from agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
-from agents.metrics import Metric, render
-from agents.state import AgentState, ApplyStatus
+from hyperpod_sim.agents.control_plane import ControlPlaneClient
+from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
+from hyperpod_sim.agents.metrics import Metric, render
+from hyperpod_sim.agents.state import AgentState, ApplyStatus
 from tests.conftest import free_port, shm_root_for, wait_for
 
 CLUSTER = "demo"

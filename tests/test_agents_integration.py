@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from domain.instance_types import instance_memory_bytes
-from infra.processes import find_agent_pids
+from hyperpod_sim.domain.instance_types import instance_memory_bytes
+from hyperpod_sim.infra.processes import find_agent_pids
 from tests.conftest import (
     EKS,
     ControlPlane,

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from infra.processes import find_agent_pids
-from sdk.client import ClusterError, HyperPodClient
+from hyperpod_sim.infra.processes import find_agent_pids
+from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from tests.conftest import ControlPlane, wait_for
 from tests.test_memory_tier import cluster, create_namespace, put, replicated, url
 from tests.test_s3_tier import CREDENTIALS, bucket, markers, moto_url, s3, save_step, set_policy

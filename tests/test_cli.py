@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from api.app import create_app
+from hyperpod_sim.api.app import create_app
 from hyperpod_sim.cli_common import Progress, table
-from sdk.client import HyperPodClient
+from hyperpod_sim.sdk.client import HyperPodClient
 from tests.conftest import ControlPlane, ServerThread, free_port, make_settings, wait_for
 from tests.test_memory_tier import cluster, create_namespace, put, replicated, url
 from tests.test_s3_tier import save_step
@@ -339,8 +339,10 @@ def test_the_command_stays_light() -> None:
     the server: the cluster commands import theirs when they run."""
     script = (
         "import sys; from hyperpod_sim.cli import build_parser; build_parser(); "
-        "heavy = {m.split('.')[0] for m in sys.modules} & {'sdk', 'boto3', 'botocore', 'httpx', 'yaml', "
-        "'api', 'domain', 'models', 'agents', 'fastapi', 'sqlalchemy', 'uvicorn', 'pydantic'}; "
+        "ours = {'hyperpod_sim.' + p for p in ('sdk', 'api', 'domain', 'models', 'agents', 'infra')}; "
+        "heavy = {m.split('.')[0] for m in sys.modules} & {'boto3', 'botocore', 'httpx', 'yaml', "
+        "'fastapi', 'sqlalchemy', 'uvicorn', 'pydantic'} "
+        "| {'.'.join(m.split('.')[:2]) for m in sys.modules} & ours; "
         "assert not heavy, sorted(heavy)"
     )
     result = subprocess.run(

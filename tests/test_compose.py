@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from agents.config import AgentSettings
+from hyperpod_sim.agents.config import AgentSettings
 from hyperpod_sim.cli import build_parser
 from hyperpod_sim.settings import Settings
 
@@ -116,7 +116,7 @@ def test_control_plane_environment_parses(monkeypatch: pytest.MonkeyPatch) -> No
 def test_the_control_plane_runs_with_auth_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """It listens on the container network, which serve allows only with credentials; the agents
     and the healthcheck use the routes the credentials do not cover."""
-    from api.gate import AGENT_PREFIX, OPEN_PATHS
+    from hyperpod_sim.api.gate import AGENT_PREFIX, OPEN_PATHS
     from hyperpod_sim.cli import _is_loopback
 
     for key in list(os.environ):

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sdk.auth import bearer_token
+from hyperpod_sim.sdk.auth import bearer_token
 from tests.conftest import ControlPlane
 from tests.test_memory_tier import members, url
 from tests.test_s3_tier import CREDENTIALS, bucket, moto_url, s3

@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from domain.checkpoints import NamespaceCheckpoints, StepLocation
-from domain.overview import held_bytes, restore_plan
-from sdk.auth import bearer_token
+from hyperpod_sim.domain.checkpoints import NamespaceCheckpoints, StepLocation
+from hyperpod_sim.domain.overview import held_bytes, restore_plan
+from hyperpod_sim.sdk.auth import bearer_token
 from tests.conftest import EKS, ControlPlane, group
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from botocore.exceptions import ClientError
 
-from sdk.client import ClusterError, HyperPodClient
+from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from tests.conftest import EKS, ControlPlane, group, wait_for
 from tests.test_cli import hpsim, ok
 from tests.test_faults import descriptions, node_status

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
-from api import extension_routes, extensions
-from api.rest import install_openapi, status_for
-from contracts import extensions as model
-from domain import errors
-from domain.errors import SerializationException, ValidationException
 from hyperpod_sim import cluster_cli
+from hyperpod_sim.api import extension_routes, extensions
+from hyperpod_sim.api.rest import install_openapi, status_for
+from hyperpod_sim.contracts import extensions as model
+from hyperpod_sim.domain import errors
+from hyperpod_sim.domain.errors import SerializationException, ValidationException
 
 EXAMPLES = {"S3BaseUri": "s3://bucket/prefix"}
 """Valid values of the pattern-constrained shapes."""

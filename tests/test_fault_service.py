@@ -1,8 +1,8 @@
 """FaultService and the checkpoint policy at the service layer: real SQLite, no HTTP, no processes.
 
-The services are built as api/app.py builds them, over a migrated database; a cluster is brought
+The services are built as hyperpod_sim/api/app.py builds them, over a migrated database; a cluster is brought
 InService by the reconciler with simulated nodes on a manual clock. Node faults go to a provisioner
-that records what it was asked to do to the agents. Requests go through api/extensions.py's
+that records what it was asked to do to the agents. Requests go through hyperpod_sim/api/extensions.py's
 dispatch (the model's validation, then the service) or straight to the service with typed
 arguments.
 """
@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
-from api import extensions
-from domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
-from domain.clock import Ids
-from domain.clusters import ClusterService, DomainConfig
-from domain.errors import ConflictException, ResourceNotFound, ValidationException
-from domain.faults import FAULT_TYPES, FaultService, FaultSpec
-from domain.provisioning import SimulatedProvisioner
-from domain.reconciler import Reconciler, ReconcilerConfig
-from models import Cluster, Database, Node
+from hyperpod_sim.api import extensions
+from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
+from hyperpod_sim.domain.clock import Ids
+from hyperpod_sim.domain.clusters import ClusterService, DomainConfig
+from hyperpod_sim.domain.errors import ConflictException, ResourceNotFound, ValidationException
+from hyperpod_sim.domain.faults import FAULT_TYPES, FaultService, FaultSpec
+from hyperpod_sim.domain.provisioning import SimulatedProvisioner
+from hyperpod_sim.domain.reconciler import Reconciler, ReconcilerConfig
+from hyperpod_sim.models import Cluster, Database, Node
 from tests.conftest import ROLE, ManualClock
 
 

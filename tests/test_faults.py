@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from infra.processes import find_agent_pids
-from sdk.client import ClusterError, HyperPodClient
+from hyperpod_sim.infra.processes import find_agent_pids
+from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from tests.conftest import ControlPlane, shm_root_for, wait_for
 from tests.test_cli import hpsim, ok
 from tests.test_memory_tier import cluster, create_namespace, get, members, metric, put, replicated, url

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.local import LocalProvisioner
-from infra.processes import Pidfile, signal_group, start_time
-from models import Cluster, Node
+from hyperpod_sim.infra.local import LocalProvisioner
+from hyperpod_sim.infra.processes import Pidfile, signal_group, start_time
+from hyperpod_sim.models import Cluster, Node
 from tests.conftest import wait_for
 
 # Its command line ends an argument with "agent", as ``hyperpod-sim agent`` does.

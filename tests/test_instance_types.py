@@ -9,7 +9,7 @@ from itertools import pairwise
 import botocore.session
 import pytest
 
-from domain.instance_types import INSTANCE_MEMORY_GIB, instance_memory_bytes
+from hyperpod_sim.domain.instance_types import INSTANCE_MEMORY_GIB, instance_memory_bytes
 
 
 def cluster_instance_types() -> set[str]:

@@ -119,19 +119,19 @@ def test_checker_catches_forbidden_imports(tmp_path: Path, monkeypatch: pytest.M
     )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert violations("sdk", SERVER) == [
-        "sdk/client.py:2 imports fastapi.responses",
-        "sdk/client.py:3 imports sqlalchemy",
-        "sdk/client.py:5 imports alembic",
-        "sdk/client.py:6 imports moto",
-        "sdk/sub/__init__.py:3 imports moto.core",
+        "hyperpod_sim/sdk/client.py:2 imports fastapi.responses",
+        "hyperpod_sim/sdk/client.py:3 imports sqlalchemy",
+        "hyperpod_sim/sdk/client.py:5 imports alembic",
+        "hyperpod_sim/sdk/client.py:6 imports moto",
+        "hyperpod_sim/sdk/sub/__init__.py:3 imports moto.core",
     ]
     assert [name for _, name in imports(package / "sub" / "__init__.py")] == [
         "sdk",
-        "sdk.client",
-        "sdk.sub.mod",
+        "hyperpod_sim.sdk.client",
+        "hyperpod_sim.sdk.sub.mod",
         "moto.core",
     ]
-    assert [name for _, name in imports(package / "__init__.py")] == ["sdk", "sdk.client"]
+    assert [name for _, name in imports(package / "__init__.py")] == ["sdk", "hyperpod_sim.sdk.client"]
     assert violations("models", {"domain"}) == []  # no such package: nothing found, and the
     assert sources("models") == []  # parametrized test above would then fail on the __init__.py check
 

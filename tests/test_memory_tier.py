@@ -16,7 +16,7 @@ import httpx
 import pytest
 import xxhash
 
-from infra.processes import find_agent_pids
+from hyperpod_sim.infra.processes import find_agent_pids
 from tests.conftest import EKS, ROLE, ControlPlane, launch_secret, shm_root_for, wait_for
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

@@ -12,8 +12,8 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, select, text
 
-from models import Base, Cluster, Database, Node
-from models.db import alembic_config
+from hyperpod_sim.models import Base, Cluster, Database, Node
+from hyperpod_sim.models.db import alembic_config
 
 TABLES = {"checkpoint_namespaces", "cluster_events", "clusters", "instance_groups", "nodes", "tags"}
 

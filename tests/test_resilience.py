@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from torch.distributed.checkpoint import save
 
-from infra.processes import find_agent_pids
-from sdk.agent import discover_agent_url
-from sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
-from sdk.client import HyperPodClient
+from hyperpod_sim.infra.processes import find_agent_pids
+from hyperpod_sim.sdk.agent import discover_agent_url
+from hyperpod_sim.sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
+from hyperpod_sim.sdk.client import HyperPodClient
 from tests.conftest import ControlPlane, wait_for
 from tests.s3proxy import FaultyS3Proxy
 from tests.sdk_worker import same, training_state

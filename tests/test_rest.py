@@ -17,8 +17,8 @@ from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from api.operations import OPERATIONS
-from api.rest import ROUTES
+from hyperpod_sim.api.operations import OPERATIONS
+from hyperpod_sim.api.rest import ROUTES
 from tests.conftest import EKS, ControlPlane, group, wait_for
 
 AMZ_JSON = "application/x-amz-json-1.1"

@@ -27,10 +27,10 @@ import pytest
 from sqlalchemy import create_engine, text
 from torch.distributed.checkpoint import save
 
-from domain.reconciler import Reconciler
-from infra.processes import find_agent_pids
-from sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
-from sdk.client import HyperPodClient
+from hyperpod_sim.domain.reconciler import Reconciler
+from hyperpod_sim.infra.processes import find_agent_pids
+from hyperpod_sim.sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
+from hyperpod_sim.sdk.client import HyperPodClient
 from tests.conftest import (
     EKS,
     ControlPlane,

@@ -22,12 +22,12 @@ import pytest
 from botocore.config import Config
 from pydantic import SecretStr
 
-from agents.control_plane import ControlPlaneClient
-from agents.loop import AgentLoop, Backoff, Identity
-from agents.state import AgentState
+from hyperpod_sim.agents.control_plane import ControlPlaneClient
+from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity
+from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.embedded_s3 import DUMMY_CREDENTIALS, agent_credentials, start_moto_s3
+from hyperpod_sim.infra.processes import find_agent_pids
 from hyperpod_sim.settings import S3Settings
-from infra.processes import find_agent_pids
 from tests.conftest import (
     EKS,
     ControlPlane,

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from moto.server import ThreadedMotoServer
 
-from infra.processes import find_agent_pids
+from hyperpod_sim.infra.processes import find_agent_pids
 from tests.conftest import ControlPlane, free_port, wait_for
 from tests.s3proxy import FaultyS3Proxy
 from tests.test_memory_tier import cluster, create_namespace, get, latest, meta, metric, put, url

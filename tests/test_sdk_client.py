@@ -1,4 +1,4 @@
-"""The SDK's control-plane client (sdk/client.py) against a real control plane over HTTP: the AWS
+"""The SDK's control-plane client (hyperpod_sim/sdk/client.py) against a real control plane over HTTP: the AWS
 operations through boto3, the REST extensions, the waiters, and every error as ClusterError with
 the AWS code."""
 
@@ -11,8 +11,8 @@ import pytest
 from botocore.exceptions import ClientError
 from sqlalchemy import select
 
-from models import Cluster
-from sdk.client import ClusterError, HyperPodClient, WaitTimeout
+from hyperpod_sim.models import Cluster
+from hyperpod_sim.sdk.client import ClusterError, HyperPodClient, WaitTimeout
 from tests.conftest import EKS, ControlPlane, free_port, group
 from tests.test_memory_tier import cluster as tiered_cluster
 

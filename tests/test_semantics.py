@@ -11,7 +11,7 @@ import httpx
 import pytest
 from botocore.exceptions import ClientError
 
-from api import shapes
+from hyperpod_sim.api import shapes
 from tests.conftest import EKS, ROLE, ControlPlane, group, status_of
 
 SLURM = {"Slurm": {"SlurmConfigStrategy": "Managed"}}

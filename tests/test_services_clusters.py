@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from domain import events
-from domain.clusters import ClusterService
-from domain.errors import (
+from hyperpod_sim.domain import events
+from hyperpod_sim.domain.clusters import ClusterService
+from hyperpod_sim.domain.errors import (
     ConflictException,
     InternalFailure,
     ResourceInUse,
@@ -19,8 +19,14 @@ from domain.errors import (
     ResourceNotFound,
     ValidationException,
 )
-from domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, bump_generation, check_transition
-from models import Cluster, Database
+from hyperpod_sim.domain.lifecycle import (
+    ClusterStatus,
+    GroupStatus,
+    NodeStatus,
+    bump_generation,
+    check_transition,
+)
+from hyperpod_sim.models import Cluster, Database
 from tests.conftest import EKS, ManualClock, group
 from tests.service_fakes import (
     CountingIds,

@@ -13,13 +13,13 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from domain import events
-from domain.clusters import ClusterService
-from domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus
-from domain.outcome import Outcome
-from domain.pushes import claim_pushes
-from domain.reconciler import Reconciler
-from models import Cluster, Database, Node
+from hyperpod_sim.domain import events
+from hyperpod_sim.domain.clusters import ClusterService
+from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus
+from hyperpod_sim.domain.outcome import Outcome
+from hyperpod_sim.domain.pushes import claim_pushes
+from hyperpod_sim.domain.reconciler import Reconciler
+from hyperpod_sim.models import Cluster, Database, Node
 from tests.conftest import EKS, ManualClock, free_port, group
 from tests.service_fakes import (
     CountingIds,

@@ -1,4 +1,4 @@
-"""Unit tests for api/shapes.py: validation, serialization and JSON Schema from botocore's model.
+"""Unit tests for hyperpod_sim/api/shapes.py: validation, serialization and JSON Schema from botocore's model.
 
 Besides hand-written cases for every rule, this file walks botocore's input shapes of the
 HyperPod operations and, for every constraint found there, builds a valid request, breaks that
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import regex
 
-from api.patterns import java_to_python_pattern
-from api.shapes import (
+from hyperpod_sim.api.patterns import java_to_python_pattern
+from hyperpod_sim.api.shapes import (
     _Validator,
     camel,
     operation_schemas,
@@ -29,7 +29,7 @@ from api.shapes import (
     shape_to_json_schema,
     validate_input,
 )
-from domain.errors import (
+from hyperpod_sim.domain.errors import (
     SerializationException,
     UnknownOperationException,
     ValidationException,

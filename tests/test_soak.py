@@ -56,8 +56,8 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import save
 
-from sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
-from sdk.client import ClusterError, HyperPodClient
+from hyperpod_sim.sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
+from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from tests.conftest import ControlPlane, wait_for
 from tests.sdk_worker import same, training_state
 from tests.test_memory_tier import cluster

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agents.store import ShardKey, ShardStore, checksum_of
+from hyperpod_sim.agents.store import ShardKey, ShardStore, checksum_of
 from tests.conftest import ControlPlane
 from tests.test_memory_tier import cluster, create_namespace, get, metric, url
 from tests.test_store import StepClock, read

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.store import (
+from hyperpod_sim.agents.store import (
     BudgetExceeded,
     CorruptShard,
     ProtectFn,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from sdk.agent import checksum
+from hyperpod_sim.sdk.agent import checksum
 
 
 class FakeAgent:

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sdk.agent import AgentClient, AgentError
+from hyperpod_sim.sdk.agent import AgentClient, AgentError
 from tests.conftest import ControlPlane, wait_for
 from tests.test_memory_tier import cluster, create_namespace, get, latest, meta, put, url
 

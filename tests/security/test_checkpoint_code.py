@@ -23,9 +23,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint import save
 
-from sdk.agent import checksum
-from sdk.checkpoint import TieredCheckpointConfig, TieredStorageWriter, load_latest
-from sdk.metadata import VALUE_MAGIC
+from hyperpod_sim.sdk.agent import checksum
+from hyperpod_sim.sdk.checkpoint import TieredCheckpointConfig, TieredStorageWriter, load_latest
+from hyperpod_sim.sdk.metadata import VALUE_MAGIC
 from tests.conftest import ControlPlane, wait_for
 from tests.sdk_worker import same, training_state
 from tests.test_memory_tier import cluster, get, latest, put, replicated, url

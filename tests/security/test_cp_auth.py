@@ -28,8 +28,8 @@ from botocore.config import Config
 from botocore.credentials import Credentials
 from botocore.exceptions import ClientError
 
-from sdk.auth import bearer_token
-from sdk.client import ClusterError, HyperPodClient
+from hyperpod_sim.sdk.auth import bearer_token
+from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from tests.conftest import ControlPlane, group
 from tests.helpers import aws_cli
 

@@ -16,9 +16,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from api.app import create_app
-from api.gate import json_depth
-from api.shapes import render
+from hyperpod_sim.api.app import create_app
+from hyperpod_sim.api.gate import json_depth
+from hyperpod_sim.api.shapes import render
 from tests.conftest import ControlPlane, ServerThread, free_port, group, make_settings
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

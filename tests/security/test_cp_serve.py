@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from models import Database
+from hyperpod_sim.models import Database
 from tests.conftest import ControlPlane, free_port, shm_root_for
 
 ROOT = Path(__file__).resolve().parent.parent.parent

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from domain.agents import check_endpoint
-from domain.errors import AgentProtocolError
-from models import Node
+from hyperpod_sim.domain.agents import check_endpoint
+from hyperpod_sim.domain.errors import AgentProtocolError
+from hyperpod_sim.models import Node
 from tests.conftest import ControlPlane, free_port, wait_for
 from tests.test_agents_integration import create_tiered, nodes, start_agent, wait_status
 

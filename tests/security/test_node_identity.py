@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from infra.processes import find_agent_pids
+from hyperpod_sim.infra.processes import find_agent_pids
 from tests.conftest import ControlPlane, free_port, node_token, wait_for
 from tests.helpers import bearer
 from tests.test_agents_integration import create_tiered, event_texts, nodes

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from models import Node
+from hyperpod_sim.models import Node
 from tests.conftest import ControlPlane, wait_for
 from tests.test_agents_integration import agent_policy, event_texts, expected_budget, nodes, wait_status
 from tests.test_memory_tier import cluster, create_namespace, get, put, replicated, url

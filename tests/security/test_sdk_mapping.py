@@ -21,7 +21,7 @@ import pytest
 from torch.distributed.checkpoint import save
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
-from sdk.checkpoint import TieredCheckpointConfig, TieredStorageWriter, load_latest
+from hyperpod_sim.sdk.checkpoint import TieredCheckpointConfig, TieredStorageWriter, load_latest
 from tests.conftest import shm_root_for
 from tests.sdk_worker import same, training_state
 from tests.security.fake_agent import FakeAgent
@@ -113,7 +113,7 @@ def test_a_reservation_naming_a_foreign_file_is_never_written(
     fake.reserve_path = reserve_path
     trainer = config(fake, root)
     writer = TieredStorageWriter(trainer, step=1)
-    with caplog.at_level(logging.INFO, logger="sdk.agent"):
+    with caplog.at_level(logging.INFO, logger="hyperpod_sim.sdk.agent"):
         if mode == "save":
             save(training_state(1, 0), storage_writer=writer)
         else:
@@ -151,7 +151,7 @@ def test_a_shard_located_in_a_foreign_file_is_never_read(
     fake.locate = lambda ns, rank, step: (Path(answer), decoy) if (ns, rank) == ("job", 0) else None
 
     state = training_state(987, 0)
-    with caplog.at_level(logging.INFO, logger="sdk.agent"):
+    with caplog.at_level(logging.INFO, logger="hyperpod_sim.sdk.agent"):
         loaded = load_latest(state, config(fake, root))
 
     assert (loaded.step, loaded.served_by) == (1, {0: "memory"})

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint import load, save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from sdk.checkpoint import TieredCheckpointConfig, TieredStorageReader, TieredStorageWriter
-from sdk.metadata import VALUE_MAGIC, UndecodableValue, decode_value, encode_value
+from hyperpod_sim.sdk.checkpoint import TieredCheckpointConfig, TieredStorageReader, TieredStorageWriter
+from hyperpod_sim.sdk.metadata import VALUE_MAGIC, UndecodableValue, decode_value, encode_value
 from tests.security.fake_agent import FakeAgent
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

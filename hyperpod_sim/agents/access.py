@@ -1,0 +1,51 @@
+"""Who may call an agent route: one check for every route that needs a token.
+
+- ``PUT /v1/policy`` (the control plane): this node's control-plane token, always.
+- ``/v1/internal/*`` (the other agents of the cluster): the cluster token, always.
+- ``/v1/cp`` writes and deletes (everything but GET) and every ``/v1/fast`` route: the cluster's
+  checkpoint token, when its checkpoint policy's ``AgentAccess`` is ``Token``; nothing when ``Open``.
+
+Refusals: 401 ``MissingToken`` without a usable ``Authorization: Bearer`` header, 401
+``NotRegistered`` while the agent does not know what to check against yet, 403 ``InvalidToken``
+for a wrong token (docs/agent-protocol.md, docs/memory-tier.md).
+"""
+
+from __future__ import annotations
+
+from hyperpod_sim.agents.httpserver import Request, Response, error_response
+from hyperpod_sim.agents.state import AgentState, AuthStatus, Credential
+
+_BEARER = (("WWW-Authenticate", 'Bearer realm="hyperpod-sim-agent"'),)
+
+
+def refusal(state: AgentState, request: Request, credential: Credential) -> Response | None:
+    """The error answer for a request without ``credential``; None when it may go on."""
+    auth = state.check_token(request.headers.get("authorization"), credential)
+    if auth is AuthStatus.OK:
+        return None
+    if auth is AuthStatus.MISSING:
+        message = f"missing or malformed Authorization header; expected 'Bearer <{credential.value}>'"
+        return error_response(401, "MissingToken", message, headers=_BEARER)
+    if auth is AuthStatus.NOT_REGISTERED:
+        message = (
+            "the agent's policy names no checkpoint token to check against"
+            if credential is Credential.CHECKPOINT
+            else f"the agent is not registered yet: it does not know the {credential.value} to check"
+        )
+        return error_response(401, "NotRegistered", message, headers=_BEARER)
+    if credential is Credential.CONTROL_PLANE:
+        message = (
+            f"the token is not the control-plane token of node {state.node_id}: policies are pushed "
+            "by the control plane only"
+        )
+        return error_response(403, "InvalidToken", message)
+    return error_response(403, "InvalidToken", f"the token is not the {credential.value} of {state.cluster}")
+
+
+def checkpoint_credential(state: AgentState, method: str, prefix: str) -> Credential | None:
+    """The credential a tier route needs: ``prefix`` is ``cp`` or ``fast``."""
+    if not state.checkpoint_token_required:
+        return None
+    if prefix == "fast" or method not in ("GET", "HEAD"):
+        return Credential.CHECKPOINT
+    return None

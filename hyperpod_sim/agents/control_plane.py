@@ -1,0 +1,169 @@
+"""The agent's client of the control plane's ``/agent/v1`` API.
+
+Each call returns a :class:`Reply` instead of raising: the body on success, else a :class:`Failure`
+kind that tells the caller whether trying again can help (see ``docs/agent-protocol.md``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from hyperpod_sim.agents.partition import Partition
+
+
+class Failure(enum.Enum):
+    TEMPORARY = "temporary"  # connect error, timeout, 5xx, 429: retry with backoff
+    UNAUTHORIZED = "unauthorized"  # 401/403: our token is refused; retrying quickly cannot help
+    NOT_FOUND = "not_found"  # 404: unknown cluster or node (on heartbeat: the node was deleted)
+    PERMANENT = "permanent"  # any other refusal, or an answer that is not the contract's
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reply:
+    body: dict[str, Any] | None = None
+    failure: Failure | None = None
+    status: int | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+def _classify(status: int) -> Failure:
+    if status in (401, 403):
+        return Failure.UNAUTHORIZED
+    if status == 404:
+        return Failure.NOT_FOUND
+    if status >= 500 or status in (408, 429):
+        return Failure.TEMPORARY
+    return Failure.PERMANENT
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:200]
+    if isinstance(body, dict):
+        return " ".join(str(body[key]) for key in ("error", "message", "__type", "detail") if key in body)
+    return str(body)[:200]
+
+
+class ControlPlaneClient:
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        cluster: str,
+        timeout_s: float,
+        transport: httpx.AsyncBaseTransport | None = None,
+        partition: Partition | None = None,
+    ) -> None:
+        # No TLS context unless the control plane is https (loading CA certificates costs memory), and
+        # no proxies from the environment: the control plane is addressed directly.
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=timeout_s,
+            trust_env=False,
+            verify=base_url.startswith("https://"),
+            transport=transport,
+            event_hooks={"request": [self._check_partition]},
+        )
+        self._partition = partition
+        self._prefix = f"/agent/v1/clusters/{quote(cluster, safe='')}"
+
+    async def _check_partition(self, request: httpx.Request) -> None:
+        """Behind a NetworkPartition (hyperpod_sim/agents/partition.py) no call leaves this node."""
+        if self._partition is not None and self._partition.active():
+            raise httpx.ConnectError(
+                f"network partition (fault {self._partition.fault_id}): the control plane is unreachable",
+                request=request,
+            )
+
+    async def __aenter__(self) -> ControlPlaneClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def register(
+        self,
+        *,
+        token: str,
+        node_id: str | None,
+        endpoint: str,
+        pid: int,
+        instance_type: str | None,
+        memory_bytes: int,
+    ) -> Reply:
+        body = {
+            "node_id": node_id,
+            "endpoint": endpoint,
+            "pid": pid,
+            "instance_type": instance_type,
+            "memory_bytes": memory_bytes,
+        }
+        return await self._call("POST", f"{self._prefix}/register", token=token, json_body=body)
+
+    async def heartbeat(
+        self,
+        *,
+        token: str,
+        node_id: str,
+        applied_generation: int,
+        endpoint: str,
+        pid: int,
+        s3_status: dict[str, Any] | None = None,
+    ) -> Reply:
+        """``s3_status``: the S3 tier's status (docs/agent-protocol.md), sent as ``s3`` when given;
+        a heartbeat without it tells the control plane the node has no S3 tier."""
+        body: dict[str, Any] = {"applied_generation": applied_generation, "endpoint": endpoint, "pid": pid}
+        if s3_status is not None:
+            body["s3"] = s3_status
+        path = f"{self._prefix}/nodes/{quote(node_id, safe='')}/heartbeat"
+        return await self._call("POST", path, token=token, json_body=body)
+
+    async def fetch_policy(self, *, token: str, node_id: str) -> Reply:
+        path = f"{self._prefix}/nodes/{quote(node_id, safe='')}/policy"
+        return await self._call("GET", path, token=token, json_body=None)
+
+    async def request(
+        self, method: str, suffix: str, *, token: str | None, json_body: Any = None
+    ) -> httpx.Response:
+        """Any call under this cluster's ``/agent/v1/clusters/{cluster}`` prefix, answered as it
+        comes (the in-memory tier reads 201/404/409 itself); transport errors are raised."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return await self._client.request(method, f"{self._prefix}{suffix}", headers=headers, json=json_body)
+
+    async def _call(self, method: str, path: str, *, token: str, json_body: Any) -> Reply:
+        headers = {"Authorization": f"Bearer {token}"}
+        try:
+            response = await self._client.request(method, path, headers=headers, json=json_body)
+        except httpx.TransportError as exc:  # connect/read/write errors, timeouts, protocol errors
+            return Reply(failure=Failure.TEMPORARY, message=f"{type(exc).__name__}: {exc}")
+        if response.status_code != 200:
+            return Reply(
+                failure=_classify(response.status_code),
+                status=response.status_code,
+                message=_error_text(response),
+            )
+        try:
+            body = response.json()
+        except (ValueError, json.JSONDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            return Reply(failure=Failure.PERMANENT, status=200, message="the answer is not a JSON object")
+        return Reply(body=body, status=200)

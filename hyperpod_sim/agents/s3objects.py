@@ -1,0 +1,372 @@
+"""Blocking S3 calls of the S3 tier: the object layout, uploads, markers, listings, deletes.
+
+Everything here runs in worker threads (``agents/s3tier.py`` owns the executor); boto3 is imported
+lazily, so an agent without an S3 target never loads it.
+
+Layout under a base URI ``s3://bucket/prefix`` (the default layout of the public
+``amzn-sagemaker-checkpointing`` library, so its S3 reader finds what the agents persisted)::
+
+    prefix/<ns>/rank_<r>/step_<n>/checkpoint.pt       rank r's shard (r < world size)
+    prefix/<ns>/rank_0/step_<n>/metadata.metadata     the metadata shard (in memory: rank world size)
+    prefix/<ns>/_committed/step_<n>.json              the commit marker, written last
+
+The library lists ``rank_<r>/`` prefixes only, so it never sees ``_committed/``. Each shard object
+carries its xxh3_128 (base64, as in ``Shard-Meta``) in the ``x-amz-meta-xxh3-128`` header; botocore
+adds a CRC32 to every request that carries data, so a byte changed in transit fails the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from hyperpod_sim.agents.store import checksum_of
+
+log = logging.getLogger(__name__)
+
+CHECKSUM_META = "xxh3-128"
+MARKER_DIR = "_committed"
+MARKER_FORMAT = "hyperpod-sim/commit-marker"
+_STEP_IN_KEY = re.compile(r"/step_(\d+)(?:/|\.json$)")
+# Parts of a multipart upload: 8 and 16 MiB parts uploaded to moto equally fast, 32 MiB ones
+# about 25 % slower (bench/s3_tier.py, part-size sweep); to SeaweedFS (serve's embedded S3) 8, 16,
+# 32 and 64 MiB parts with 4 threads, and 16 MiB with 8, were within the noise of each other: it
+# spends ~8 ms of CPU per MiB stored whatever the part size, ~5x what this side does. Four parts in
+# flight per shard: the uploads run inside the agent, beside the saves it answers, and more
+# threads only compete with those for the CPU (S3 on loopback is CPU-bound, not latency-bound).
+PART_BYTES = 16 * 1024 * 1024
+PART_THREADS = 4
+UPLOAD_ATTEMPTS = 3
+
+
+class S3Faults:
+    """S3 faults the control plane injects (the node policy's ``faults.s3``; hyperpod_sim/domain/faults.py),
+    applied to every request of this agent's S3 clients by a botocore ``before-send`` handler: it
+    sleeps for the latency, and for errors and outages answers in S3's place with a 503 SlowDown,
+    500 InternalError or 503 ServiceUnavailable and S3's XML error body. botocore then handles the
+    answer as a real one: its retries, backoff and retry quota all run as they would against S3.
+    A fault past its ``until`` (epoch seconds) is ignored, even before the control plane's next
+    policy says it is over."""
+
+    def __init__(self) -> None:
+        self.doc: dict[str, Any] | None = None
+        self.injected_total = 0  # requests answered with an injected error
+
+    def set(self, doc: Any) -> None:
+        self.doc = doc if isinstance(doc, dict) else None
+
+    def active(self) -> dict[str, Any] | None:
+        doc = self.doc
+        if doc is None:
+            return None
+        until = doc.get("until")
+        if isinstance(until, int | float) and time.time() >= until:
+            return None
+        return doc
+
+    def before_send(self, request: Any, **kwargs: Any) -> Any:
+        doc = self.active()
+        if doc is None:
+            return None
+        latency_ms = doc.get("latency_ms")
+        if isinstance(latency_ms, int | float) and latency_ms > 0:
+            time.sleep(latency_ms / 1000)
+        if doc.get("outage"):
+            return self._answer(request, 503, "ServiceUnavailable", "injected S3 outage")
+        rate = doc.get("error_rate")
+        if isinstance(rate, int | float) and random.random() < rate:
+            if doc.get("error_kind") == "InternalError":
+                return self._answer(request, 500, "InternalError", "injected S3 error")
+            return self._answer(request, 503, "SlowDown", "injected S3 throttling")
+        return None
+
+    def _answer(self, request: Any, status: int, code: str, message: str) -> Any:
+        from botocore.awsrequest import AWSResponse
+
+        self.injected_total += 1
+        body = (
+            b""
+            if request.method == "HEAD"
+            else (
+                f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}'
+                f"</Message><RequestId>hpsim-fault</RequestId></Error>"
+            ).encode()
+        )
+        headers = {"Content-Type": "application/xml", "Content-Length": str(len(body))}
+        return AWSResponse(request.url, status, headers, _Raw(body))
+
+
+class _Raw:
+    """The body of a synthetic answer, as botocore reads an urllib3 response's."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[bytes]:
+        yield self._body
+
+
+class S3Unavailable(Exception):
+    """An S3 call failed after botocore's own retries (the tier lags and tries again later)."""
+
+
+@dataclass(frozen=True)
+class S3Target:
+    """Where and how often a cluster's agents persist, from the ``s3`` member of a node policy."""
+
+    base_uri: str
+    bucket: str
+    prefix: str  # without leading or trailing "/"; "" for the bucket's root
+    endpoint_url: str | None
+    region: str
+    every_steps: int | None
+    every_seconds: float | None
+    retention: int | None
+
+    @classmethod
+    def from_policy(cls, doc: Any, *, endpoint_override: str | None = None) -> S3Target | None:
+        """The target a policy names, or None (no S3 persistence). ValueError if ``doc`` is not one."""
+        if doc is None:
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("base_uri"), str):
+            raise ValueError(f"the policy's s3 member must be an object with a base_uri, got {doc!r}")
+        uri: str = doc["base_uri"]
+        if not uri.startswith("s3://"):
+            raise ValueError(f"the S3 base URI must start with s3://, got {uri!r}")
+        bucket, _, prefix = uri[5:].partition("/")
+        if not bucket:
+            raise ValueError(f"the S3 base URI {uri!r} names no bucket")
+        steps, seconds, retention = (
+            doc.get("persist_every_steps"),
+            doc.get("persist_every_seconds"),
+            doc.get("retention"),
+        )
+        return cls(
+            base_uri=uri.rstrip("/"),
+            bucket=bucket,
+            prefix=prefix.strip("/"),
+            endpoint_url=endpoint_override or doc.get("endpoint_url") or None,
+            region=str(doc.get("region") or "us-east-1"),
+            every_steps=int(steps) if steps else None,
+            every_seconds=float(seconds) if seconds else None,
+            retention=int(retention) if retention else None,
+        )
+
+    def namespace_prefix(self, namespace: str) -> str:
+        return f"{self.prefix}/{namespace}/" if self.prefix else f"{namespace}/"
+
+    def shard_key(self, namespace: str, rank: int, step: int, num_ranks: int) -> str:
+        """The object of one shard. The metadata shard is the last rank of a namespace of at least
+        two ranks (the library's convention: ``num_ranks = world_size + 1``)."""
+        base = self.namespace_prefix(namespace)
+        if num_ranks >= 2 and rank == num_ranks - 1:
+            return f"{base}rank_0/step_{step}/metadata.metadata"
+        return f"{base}rank_{rank}/step_{step}/checkpoint.pt"
+
+    def marker_key(self, namespace: str, step: int) -> str:
+        return f"{self.namespace_prefix(namespace)}{MARKER_DIR}/step_{step}.json"
+
+
+@dataclass(frozen=True)
+class ShardObject:
+    """One shard as it is on S3 (what a commit marker lists)."""
+
+    rank: int
+    key: str
+    size: int
+    checksum: str
+
+    def doc(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "key": self.key,
+            "size": self.size,
+            "checksum": self.checksum,
+            "algorithm": "xxh3_128",
+        }
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> ShardObject:
+        return cls(int(doc["rank"]), str(doc["key"]), int(doc["size"]), str(doc["checksum"]))
+
+
+def step_of_key(key: str) -> int | None:
+    """The step an object of the layout belongs to, or None."""
+    match = _STEP_IN_KEY.search(key)
+    return int(match.group(1)) if match else None
+
+
+class S3Objects:
+    """One boto3 client for one endpoint and region, with the calls the tier needs.
+
+    Throttling and 5xx answers are retried by botocore ("standard" mode: exponential backoff with
+    jitter, 6 attempts); an upload is retried whole (from the first part) up to UPLOAD_ATTEMPTS
+    times for what botocore does not retry, such as a connection dropped between parts.
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoint_url: str | None,
+        region: str,
+        max_attempts: int = 6,
+        faults: S3Faults | None = None,
+    ) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self._client = boto3.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region,
+            config=Config(
+                retries={"max_attempts": max_attempts, "mode": "standard"},
+                max_pool_connections=4 * PART_THREADS,
+                connect_timeout=5,
+                read_timeout=60,
+                s3={"addressing_style": "path"} if endpoint_url else None,
+            ),
+        )
+        if faults is not None:
+            self._client.meta.events.register("before-send.s3", faults.before_send)
+        self._transfer = TransferConfig(
+            multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=PART_THREADS
+        )
+        self.retries_total = 0
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _error(self, what: str, exc: Exception) -> S3Unavailable:
+        return S3Unavailable(f"{what}: {type(exc).__name__}: {exc}")
+
+    def upload(self, key: str, body: IO[bytes], *, size: int, checksum: str, bucket: str) -> None:
+        """Upload one shard (multipart above PART_BYTES) and check what S3 then holds. ``body``: an
+        open file, not an in-memory stream: each attempt reads a duplicate of its descriptor (which
+        shares its offset: one upload at a time per open file)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        last: Exception | None = None
+        for attempt in range(UPLOAD_ATTEMPTS):
+            if attempt:
+                self.retries_total += 1
+                time.sleep(min(0.5 * 2**attempt, 8.0))
+            try:
+                # Each attempt reads its own duplicate of the file: s3transfer closes the file
+                # object it was given when an upload fails, and the next attempt must start over.
+                with open(os.dup(body.fileno()), "rb") as attempt_body:
+                    attempt_body.seek(0)
+                    self._client.upload_fileobj(
+                        attempt_body,
+                        bucket,
+                        key,
+                        ExtraArgs={"Metadata": {CHECKSUM_META: checksum}},
+                        Config=self._transfer,
+                    )
+                head = self.head(bucket, key)
+            except (BotoCoreError, ClientError, S3Unavailable, OSError, ValueError) as exc:
+                last = exc
+                log.info("upload of %s failed (attempt %d): %s", key, attempt + 1, exc)
+                continue
+            if head == (size, checksum):
+                return
+            last = S3Unavailable(f"S3 holds {head} for {key} after the upload, not {(size, checksum)}")
+        raise self._error(f"upload of {key} failed {UPLOAD_ATTEMPTS} times", last or Exception("?"))
+
+    def head(self, bucket: str, key: str) -> tuple[int, str | None] | None:
+        """(size, xxh3 checksum from the object's metadata) or None if there is no such object."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            answer = self._client.head_object(Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise self._error(f"HEAD {key}", exc) from exc
+        except BotoCoreError as exc:
+            raise self._error(f"HEAD {key}", exc) from exc
+        return int(answer["ContentLength"]), answer.get("Metadata", {}).get(CHECKSUM_META)
+
+    def put_json(self, bucket: str, key: str, doc: dict[str, Any]) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self._client.put_object(
+                Bucket=bucket, Key=key, Body=json.dumps(doc).encode(), ContentType="application/json"
+            )
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error(f"PUT {key}", exc) from exc
+
+    def get(self, bucket: str, key: str) -> bytes | None:
+        """An object's bytes, or None if it does not exist."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            answer = self._client.get_object(Bucket=bucket, Key=key)
+            return bytes(answer["Body"].read())
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise self._error(f"GET {key}", exc) from exc
+        except (BotoCoreError, OSError) as exc:
+            raise self._error(f"GET {key}", exc) from exc
+
+    def get_verified(self, bucket: str, shard: ShardObject) -> bytes | None:
+        """A shard's bytes if they match the marker's size and checksum; None if absent or not."""
+        data = self.get(bucket, shard.key)
+        if data is None:
+            return None
+        if len(data) != shard.size or checksum_of(data) != shard.checksum:
+            log.error("S3 object %s does not match its commit marker; not served", shard.key)
+            return None
+        return data
+
+    def keys(self, bucket: str, prefix: str) -> Iterator[str]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    yield str(item["Key"])
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error(f"LIST {prefix}", exc) from exc
+
+    def delete(self, bucket: str, keys: list[str]) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        for start in range(0, len(keys), 1000):
+            batch = keys[start : start + 1000]
+            try:
+                self._client.delete_objects(
+                    Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                )
+            except (BotoCoreError, ClientError) as exc:
+                raise self._error(f"DELETE {len(batch)} objects", exc) from exc
+
+    def abort_uploads(self, bucket: str, prefix: str, *, steps: set[int]) -> int:
+        """Abort the unfinished multipart uploads under ``prefix`` of the given steps."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        aborted = 0
+        try:
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=bucket, Prefix=prefix
+            )
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    if step_of_key(upload["Key"]) in steps:
+                        self._client.abort_multipart_upload(
+                            Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                        aborted += 1
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error(f"multipart cleanup under {prefix}", exc) from exc
+        return aborted

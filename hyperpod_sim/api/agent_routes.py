@@ -1,0 +1,224 @@
+"""The control plane's routes for node agents (docs/agent-protocol.md), under ``/agent/v1``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from sqlalchemy.exc import OperationalError
+
+from hyperpod_sim.api.deps import ServicesDep
+from hyperpod_sim.domain.errors import AgentProtocolError
+
+router = APIRouter(prefix="/agent/v1", tags=["agents"])
+
+
+class Registration(BaseModel):
+    node_id: str | None = Field(default=None, description="Null for agents of the external provisioner.")
+    endpoint: str = Field(
+        description="Where the control plane reaches the agent, e.g. http://127.0.0.1:41234"
+    )
+    pid: int | None = None
+    instance_type: str | None = None
+    memory_bytes: int | None = None
+
+
+class Heartbeat(BaseModel):
+    applied_generation: int = Field(ge=0)
+    endpoint: str | None = None
+    pid: int | None = None
+    # Typed loosely on purpose: the domain checks it and answers in the protocol's own words.
+    s3: Any = Field(
+        default=None,
+        description="The agent's S3 tier, shown as AgentStatus.S3Tier of the node: null, or "
+        '{"pending_steps": int, "lag_seconds": float, "persisted_steps_total": int, '
+        '"failures_total": int, "last_persisted": {"<namespace>": step}, "last_error": str | null}; '
+        "at most 8 KiB of JSON.",
+    )
+
+
+class AgentEvent(BaseModel):
+    node_id: str | None = Field(
+        default=None,
+        description="The reporting node, which must be the node whose token the call carries (the "
+        "event is that node's in any case); a ShuttingDown node is accepted.",
+    )
+    level: Literal["Info", "Warn", "Error"]
+    message: str = Field(min_length=1, max_length=2048, description="The event's description.")
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+async def _call(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> JSONResponse:
+    try:
+        return JSONResponse(await run_in_threadpool(lambda: fn(**kwargs)))
+    except AgentProtocolError as exc:
+        return JSONResponse(exc.to_body(), status_code=exc.status)
+    except OperationalError as exc:  # the database is down: the agent retries later
+        return JSONResponse(
+            {
+                "error": "ServiceUnavailable",
+                "message": f"the control plane's database is unavailable: {exc.orig}",
+            },
+            status_code=503,
+        )
+
+
+@router.post(
+    "/clusters/{cluster}/register",
+    summary="Register a node agent",
+    description="With the node's launch secret and its node id (an agent the local provisioner "
+    "started), or with the bootstrap token and no node id (external provisioner: the agent is bound "
+    "to a pending node slot no agent holds). The endpoint must be http://HOST:PORT (a loopback "
+    "host with the local provisioner). Answers the node id, the node's new node token and "
+    "control-plane token, the cluster token (for calls between agents) and the node's policy.",
+)
+async def register(cluster: str, body: Registration, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(
+        services.agents.register,
+        cluster_name=cluster,
+        token=bearer(request),
+        node_id=body.node_id,
+        endpoint=body.endpoint,
+        pid=body.pid,
+    )
+
+
+@router.post(
+    "/clusters/{cluster}/nodes/{node_id}/heartbeat",
+    summary="Agent heartbeat",
+    description="With the node's own node token. Records liveness, the generation the agent applied "
+    "and its S3 tier's status; answers the desired generation. 404 once the node is deleted "
+    "(ShuttingDown included).",
+)
+async def heartbeat(
+    cluster: str, node_id: str, body: Heartbeat, request: Request, services: ServicesDep
+) -> JSONResponse:
+    return await _call(
+        services.agents.heartbeat,
+        cluster_name=cluster,
+        node_id=node_id,
+        token=bearer(request),
+        applied_generation=body.applied_generation,
+        endpoint=body.endpoint,
+        pid=body.pid,
+        s3_status=body.s3,
+    )
+
+
+@router.post(
+    "/clusters/{cluster}/events",
+    summary="Record an event of a node",
+    description="What an agent reports for ListClusterEvents, e.g. the checkpoint steps it could not "
+    "persist to S3 while draining: an event of the node whose node token the call carries. Accepted "
+    'while the cluster is Deleting and the node ShuttingDown. Answers 201 {"event_id": ...}.',
+    status_code=201,
+)
+async def record_event(
+    cluster: str, body: AgentEvent, request: Request, services: ServicesDep
+) -> JSONResponse:
+    response = await _call(
+        services.agents.record_event,
+        cluster_name=cluster,
+        node_id=body.node_id,
+        token=bearer(request),
+        level=body.level,
+        message=body.message,
+    )
+    if response.status_code == 200:
+        response.status_code = 201
+    return response
+
+
+@router.get(
+    "/clusters/{cluster}/nodes/{node_id}/policy",
+    summary="The node's current policy",
+    description="What an agent pulls when its heartbeat says its generation is behind; with the "
+    "node's own node token.",
+)
+async def policy(cluster: str, node_id: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(services.agents.policy, cluster_name=cluster, node_id=node_id, token=bearer(request))
+
+
+@router.get(
+    "/clusters/{cluster}/members",
+    summary="The cluster's nodes in ring order",
+    description="Node ids, groups, statuses and agent endpoints; agents resolve replica peers here.",
+)
+async def members(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(services.agents.members, cluster_name=cluster, token=bearer(request))
+
+
+class NamespaceCreation(BaseModel):
+    num_ranks: int = Field(description="Ranks of the namespace, metadata ranks included.")
+    steps_retained: int = Field(description="Steps kept per rank; capped at the cluster's retention.")
+
+
+@router.get(
+    "/clusters/{cluster}/namespaces",
+    summary="The cluster's checkpoint namespaces",
+    description="Every namespace trainers created through any agent of the cluster.",
+)
+async def list_namespaces(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(services.agents.list_namespaces, cluster_name=cluster, token=bearer(request))
+
+
+@router.get(
+    "/clusters/{cluster}/namespaces/{name}",
+    summary="A checkpoint namespace",
+    description="Namespaces are cluster-wide: agents keep them here, so that a namespace created "
+    "through one agent is known to every agent of the cluster.",
+)
+async def get_namespace(cluster: str, name: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(services.agents.get_namespace, cluster_name=cluster, token=bearer(request), name=name)
+
+
+@router.post(
+    "/clusters/{cluster}/namespaces/{name}",
+    summary="Create a checkpoint namespace",
+    description="What an agent does when a trainer creates a namespace through it (409 if it exists). "
+    "The retention is capped at the cluster's in-memory retention.",
+    status_code=201,
+)
+async def create_namespace(
+    cluster: str, name: str, body: NamespaceCreation, request: Request, services: ServicesDep
+) -> JSONResponse:
+    response = await _call(
+        services.agents.create_namespace,
+        cluster_name=cluster,
+        token=bearer(request),
+        name=name,
+        num_ranks=body.num_ranks,
+        steps_retained=body.steps_retained,
+    )
+    if response.status_code == 200:
+        response.status_code = 201
+    return response
+
+
+@router.delete(
+    "/clusters/{cluster}/namespaces/{name}",
+    summary="Delete a checkpoint namespace",
+    description="The agent that received the trainer's delete then removes the data on every agent.",
+)
+async def delete_namespace(cluster: str, name: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(
+        services.agents.delete_namespace, cluster_name=cluster, token=bearer(request), name=name
+    )
+
+
+@router.post(
+    "/clusters/{cluster}/namespaces-reset",
+    summary="Delete every namespace of the cluster",
+    description="The control plane's half of the protocol's cluster reset.",
+)
+async def reset_namespaces(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
+    return await _call(services.agents.reset_namespaces, cluster_name=cluster, token=bearer(request))

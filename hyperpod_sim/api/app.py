@@ -1,0 +1,233 @@
+"""The control plane's FastAPI application: the AWS JSON 1.1 entry, the REST routes, the lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hyperpod_sim.api import agent_routes, console_routes, extension_routes, rest
+from hyperpod_sim.api.auth import Authenticator
+from hyperpod_sim.api.awsjson import AwsJsonEntry
+from hyperpod_sim.api.deps import Services, ServicesDep, as_aws_error, error_response
+from hyperpod_sim.api.gate import RequestGate
+from hyperpod_sim.api.operations import OPERATIONS
+from hyperpod_sim.domain.agents import AgentConfig, AgentService
+from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
+from hyperpod_sim.domain.checkpoints import CheckpointCatalog
+from hyperpod_sim.domain.clock import Clock, Ids, SystemClock
+from hyperpod_sim.domain.clusters import ClusterService, DomainConfig
+from hyperpod_sim.domain.errors import AwsError, UnknownOperationException, ValidationException
+from hyperpod_sim.domain.faults import FaultService
+from hyperpod_sim.domain.provisioning import Provisioner
+from hyperpod_sim.domain.reconciler import Reconciler, ReconcilerConfig
+from hyperpod_sim.infra.local import make_provisioner
+from hyperpod_sim.models import Database
+from hyperpod_sim.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def build_services(
+    settings: Settings,
+    *,
+    clock: Clock | None = None,
+    ids: Ids | None = None,
+    provisioner: Provisioner | None = None,
+    agent_env: Mapping[str, str] | None = None,
+) -> Services:
+    """The domain services of one control plane. ``agent_env``: variables the local provisioner
+    adds to every agent's environment (``serve`` passes the embedded S3 endpoint's credentials)."""
+    clock = clock or SystemClock()
+    ids = ids or Ids()
+    # Owner only: the data dir holds the SQLite database, and the database the cluster tokens.
+    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        settings.data_dir.chmod(0o700)
+    except PermissionError:  # not ours (a mounted volume): its owner decides
+        log.warning("cannot make the data dir %s owner-only (0700): it is not ours", settings.data_dir)
+    db = Database(settings.database_url())
+    db.migrate()
+    provisioning = settings.provisioning
+    if provisioner is None:
+        provisioner = make_provisioner(
+            provisioning.mode,
+            command=provisioning.agent_command,
+            control_plane_url=settings.control_plane_url(),
+            data_dir=settings.data_dir.resolve(),
+            heartbeat_interval_s=provisioning.heartbeat_interval_s,
+            shm_root=settings.simulation.shm_root,
+            kill_grace_s=provisioning.kill_grace_s,
+            agent_env=agent_env,
+        )
+    # Read once: `serve` has put the embedded endpoint in the settings before this runs.
+    s3_endpoint = S3Endpoint(url=settings.s3.endpoint_url, region=settings.s3.region)
+    reconciler = Reconciler(
+        db=db,
+        clock=clock,
+        ids=ids,
+        provisioner=provisioner,
+        config=ReconcilerConfig(
+            interval_s=settings.reconciler.interval_s,
+            node_ready_delay_s=provisioning.node_ready_delay_s,
+            heartbeat_timeout_s=provisioning.heartbeat_timeout_s,
+            launch_timeout_s=provisioning.launch_timeout_s,
+            memory_scale=settings.simulation.memory_scale,
+            s3_endpoint=s3_endpoint,
+            push_workers=settings.reconciler.push_workers,
+            push_timeout_s=settings.reconciler.push_timeout_s,
+            push_backoff_s=settings.reconciler.push_backoff_s,
+            push_backoff_max_s=settings.reconciler.push_backoff_max_s,
+            restart_agents=provisioning.restart_agents,
+        ),
+    )
+    agents = AgentService(
+        db=db,
+        clock=clock,
+        ids=ids,
+        config=AgentConfig(
+            heartbeat_interval_s=provisioning.heartbeat_interval_s,
+            memory_scale=settings.simulation.memory_scale,
+            s3_endpoint=s3_endpoint,
+            local_agents=provisioner.owns_agents,
+        ),
+        on_change=reconciler.wake,
+    )
+    clusters = ClusterService(
+        db=db,
+        clock=clock,
+        ids=ids,
+        config=DomainConfig(
+            account_id=settings.account_id,
+            region=settings.region,
+            max_instances_per_cluster=settings.limits.max_instances_per_cluster,
+            max_clusters=settings.limits.max_clusters,
+            bootstrap_token=(
+                provisioning.bootstrap_token.get_secret_value() if provisioning.bootstrap_token else None
+            ),
+        ),
+        on_change=reconciler.wake,
+    )
+    return Services(
+        settings=settings,
+        db=db,
+        clusters=clusters,
+        agents=agents,
+        reconciler=reconciler,
+        checkpoints=CheckpointCatalog(db=db),
+        faults=FaultService(
+            db=db,
+            clock=clock,
+            ids=ids,
+            provisioner=provisioner,
+            provisioning_mode=provisioning.mode,
+            on_change=reconciler.wake,
+        ),
+    )
+
+
+def create_app(
+    settings: Settings,
+    *,
+    clock: Clock | None = None,
+    ids: Ids | None = None,
+    provisioner: Provisioner | None = None,
+    agent_env: Mapping[str, str] | None = None,
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = build_services(
+            settings, clock=clock, ids=ids, provisioner=provisioner, agent_env=agent_env
+        )
+        app.state.services = services
+        services.reconciler.start()
+        try:
+            yield
+        finally:
+            services.reconciler.stop()
+            services.checkpoints.close()
+            services.db.dispose()
+
+    app = FastAPI(
+        title="hyperpod-sim control plane",
+        version="0.1.0",
+        summary="A local SageMaker HyperPod control plane with managed tiered checkpointing.",
+        description=(
+            "Two transports over one domain layer:\n\n"
+            "* **AWS JSON 1.1** at `POST /` with `X-Amz-Target: SageMaker.<Operation>`: point "
+            "boto3, the AWS CLI or sagemaker-core at this service with an endpoint URL. "
+            f"Operations: {', '.join(sorted(OPERATIONS))}.\n"
+            "* **REST** routes under `/clusters` with the same member names and shapes as the AWS "
+            "API.\n\n"
+            'Errors have the AWS shape `{"__type": "<Code>", "message": "..."}` on both.\n\n'
+            "**Authentication** (when the service has credentials, `HPSIM_AUTH__CREDENTIALS`): every "
+            "route but `/agent/v1/*`, `/health` and this documentation needs a SigV4 signature "
+            "(boto3, the AWS CLI, `sdk.client.HyperPodClient`) or `Authorization: Bearer <token>` "
+            "(`hyperpod-sim auth-token`; use *Authorize* above). Fault injection needs an admin "
+            "credential once `HPSIM_AUTH__ADMIN_CREDENTIALS` is set. See docs/security.md."
+        ),
+        lifespan=lifespan,
+    )
+
+    @app.exception_handler(AwsError)
+    async def _aws_error(request: Request, exc: AwsError) -> JSONResponse:
+        return error_response(exc, rest.status_for(exc), media_type="application/json")
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
+        )
+        if request.url.path.startswith("/agent/"):
+            return JSONResponse({"error": "InvalidRequest", "message": problems}, status_code=400)
+        return error_response(ValidationException(problems), 400, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Paths and methods no route serves answer in the AWS shape too."""
+        if exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
+        elif exc.status_code == 404:
+            message = f"No route serves {request.method} {request.url.path}; see /docs."
+        else:
+            message = str(exc.detail)
+        return error_response(
+            UnknownOperationException(message), exc.status_code, media_type="application/json"
+        )
+
+    @app.get(
+        "/health",
+        tags=["service"],
+        summary="Liveness and database check",
+        description='200 with `{"status": "ok"}` when the service runs and its database answers; 503 '
+        "ServiceUnavailable (AWS error shape) when the database does not.",
+    )
+    def health(services: ServicesDep) -> Any:
+        try:
+            with services.db.read() as session:
+                session.connection().exec_driver_sql("SELECT 1")
+        except OperationalError as exc:
+            return error_response(as_aws_error(exc), 503, media_type="application/json")
+        return {"status": "ok"}
+
+    app.include_router(rest.router)
+    app.include_router(extension_routes.router)
+    app.include_router(agent_routes.router)
+    console_routes.install(app)
+    app.add_middleware(AwsJsonEntry)
+    # Outermost of our layers: nothing reaches a route (or the AWS JSON entry) without passing it.
+    app.add_middleware(
+        RequestGate,
+        authenticator=Authenticator(settings.auth),
+        max_body_bytes=settings.limits.max_body_bytes,
+        max_json_depth=settings.limits.max_json_depth,
+    )
+    rest.install_openapi(app)
+    return app

@@ -1,0 +1,365 @@
+"""The operation registry: AWS operation name -> handler.
+
+A handler takes the validated input (AWS member names, timestamps already ``datetime``), calls the
+domain with keyword arguments and shapes the result into the operation's output members. Both
+transports, the AWS JSON 1.1 entry and the REST routes, go through :func:`dispatch`, so they
+share one validation, one behaviour and one output shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+from hyperpod_sim.api import shapes
+from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
+from hyperpod_sim.domain.errors import UnknownOperationException
+from hyperpod_sim.models import Cluster, ClusterEvent, InstanceGroup, Node
+
+Params = dict[str, Any]
+Handler = Callable[[ClusterService, Params], dict[str, Any]]
+
+
+# ---------------------------------------------------------------------- output shaping
+
+
+@lru_cache
+def _members(shape_name: str) -> frozenset[str]:
+    return frozenset(shapes.service_model().shape_for(shape_name).members)
+
+
+def _group_details(group: InstanceGroup, running: int) -> dict[str, Any]:
+    shape = "ClusterRestrictedInstanceGroupDetails" if group.restricted else "ClusterInstanceGroupDetails"
+    spec = group.spec
+    out: dict[str, Any] = {
+        "CurrentCount": running,
+        "TargetCount": group.target_count,
+        "InstanceGroupName": group.name,
+        "InstanceType": group.instance_type,
+        "Status": group.status,
+    }
+    renamed: dict[str, Any] = {}
+    if "MinInstanceCount" in spec:
+        renamed["MinCount"] = spec["MinInstanceCount"]
+    if "InstanceRequirements" in spec:
+        types = spec["InstanceRequirements"]["InstanceTypes"]
+        renamed["InstanceRequirements"] = {"CurrentInstanceTypes": types, "DesiredInstanceTypes": types}
+    if "ImageId" in spec:
+        renamed["CurrentImageId"] = renamed["DesiredImageId"] = spec["ImageId"]
+    if "KubernetesConfig" in spec:
+        k8s = spec["KubernetesConfig"]
+        renamed["KubernetesConfig"] = {
+            key: k8s[src]
+            for key, src in (
+                ("CurrentLabels", "Labels"),
+                ("DesiredLabels", "Labels"),
+                ("CurrentTaints", "Taints"),
+                ("DesiredTaints", "Taints"),
+            )
+            if src in k8s
+        }
+    allowed = _members(shape)
+    for key, value in spec.items():
+        if key in allowed and key not in out and key not in ("InstanceRequirements", "KubernetesConfig"):
+            out[key] = value
+    out.update({k: v for k, v in renamed.items() if k in allowed})
+    return out
+
+
+def _cluster_description(cluster: Cluster, running: dict[str, int]) -> dict[str, Any]:
+    groups = [g for g in cluster.instance_groups if not g.restricted]
+    restricted = [g for g in cluster.instance_groups if g.restricted]
+    out: dict[str, Any] = {
+        "ClusterArn": cluster.arn,
+        "ClusterName": cluster.name,
+        "ClusterStatus": cluster.status,
+        "CreationTime": cluster.creation_time,
+        "FailureMessage": cluster.failure_message,
+        "InstanceGroups": [_group_details(g, running.get(g.name, 0)) for g in groups],
+        "VpcConfig": cluster.vpc_config,
+        "Orchestrator": cluster.orchestrator,
+        "TieredStorageConfig": cluster.tiered_storage,
+        "NodeRecovery": cluster.node_recovery,
+    }
+    if restricted:
+        out["RestrictedInstanceGroups"] = [_group_details(g, running.get(g.name, 0)) for g in restricted]
+    for key in EXTRA_MEMBERS:
+        if key in cluster.extra:
+            out[key] = cluster.extra[key]
+    if "AutoScaling" in out:
+        out["AutoScaling"] = {
+            **out["AutoScaling"],
+            "Status": "InService" if cluster.status == "InService" else "Creating",
+        }
+    return out
+
+
+def _node_status(node: Node) -> dict[str, Any]:
+    status: dict[str, Any] = {"Status": node.status}
+    if node.status_message:
+        status["Message"] = node.status_message
+    return status
+
+
+def _dns_name(node: Node, region: str) -> str:
+    domain = "ec2.internal" if region == "us-east-1" else f"{region}.compute.internal"
+    return f"ip-{node.private_ip.replace('.', '-')}.{domain}"
+
+
+def _s3_tier(status: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The agent's S3 tier as its last heartbeat reported it (checked by hyperpod_sim/domain/agents.py)."""
+    if status is None:
+        return None
+    return {
+        "PendingSteps": status.get("pending_steps"),
+        "LagSeconds": status.get("lag_seconds"),
+        "PersistedStepsTotal": status.get("persisted_steps_total"),
+        "FailuresTotal": status.get("failures_total"),
+        "LastPersistedSteps": status.get("last_persisted"),
+        "LastError": status.get("last_error"),
+    }
+
+
+def _agent_status(node: Node) -> dict[str, Any] | None:
+    """Extension member: the node's agent as the control plane last saw it."""
+    if node.endpoint is None and node.last_error is None:
+        return None
+    return {
+        "Endpoint": node.endpoint,
+        "AppliedPolicyGeneration": node.acked_generation,
+        "LastHeartbeatTime": node.last_heartbeat,
+        "LastError": node.last_error,
+        "S3Tier": _s3_tier(node.s3_status),
+    }
+
+
+def _node_summary(node: Node, region: str, *, logical_ids: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "AgentStatus": _agent_status(node),
+        "InstanceGroupName": node.group_name,
+        "InstanceId": node.id,
+        "InstanceType": node.instance_type,
+        "LaunchTime": node.launch_time,
+        "InstanceStatus": _node_status(node),
+        "PrivateDnsHostname": _dns_name(node, region),
+    }
+    if logical_ids:
+        out["NodeLogicalId"] = node.logical_id
+    return out
+
+
+def _availability_zone_id(region: str) -> str:
+    """us-east-1 -> use1-az1: the AZ id shape AWS uses."""
+    area, direction, number = region.split("-")
+    return f"{area}{direction[0]}{number}-az1"
+
+
+def _node_details(node: Node, cluster: Cluster, region: str) -> dict[str, Any]:
+    group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
+    out = _node_summary(node, region, logical_ids=True)
+    if out["AgentStatus"] is not None:
+        out["AgentStatus"]["DesiredPolicyGeneration"] = cluster.generation
+    spec = group.spec if group is not None else {}
+    for key in ("LifeCycleConfig", "ThreadsPerCore", "InstanceStorageConfigs", "OverrideVpcConfig"):
+        if key in spec:
+            out[key] = spec[key]
+    if "ImageId" in spec:
+        out["CurrentImageId"] = out["DesiredImageId"] = spec["ImageId"]
+    out["PrivatePrimaryIp"] = node.private_ip
+    out["Placement"] = {"AvailabilityZone": f"{region}a", "AvailabilityZoneId": _availability_zone_id(region)}
+    return out
+
+
+def _deletion(result: NodeDeletion, ids_key: str, failed_key: str, id_member: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if result.successful:
+        out[ids_key] = result.successful
+    if result.failed:
+        out[failed_key] = [
+            {"Code": code, "Message": message, id_member: node_id} for node_id, code, message in result.failed
+        ]
+    return out
+
+
+# ---------------------------------------------------------------------- handlers
+
+
+def create_cluster(svc: ClusterService, p: Params) -> dict[str, Any]:
+    cluster = svc.create_cluster(
+        name=p["ClusterName"],
+        instance_groups=p.get("InstanceGroups"),
+        restricted_instance_groups=p.get("RestrictedInstanceGroups"),
+        vpc_config=p.get("VpcConfig"),
+        tags=p.get("Tags"),
+        orchestrator=p.get("Orchestrator"),
+        node_recovery=p.get("NodeRecovery"),
+        tiered_storage=p.get("TieredStorageConfig"),
+        extra={k: p[k] for k in EXTRA_MEMBERS if k in p},
+    )
+    return {"ClusterArn": cluster.arn}
+
+
+def update_cluster(svc: ClusterService, p: Params) -> dict[str, Any]:
+    cluster = svc.update_cluster(
+        name=p["ClusterName"],
+        instance_groups=p.get("InstanceGroups"),
+        restricted_instance_groups=p.get("RestrictedInstanceGroups"),
+        instance_groups_to_delete=p.get("InstanceGroupsToDelete"),
+        tiered_storage=p.get("TieredStorageConfig"),
+        node_recovery=p.get("NodeRecovery"),
+        orchestrator=p.get("Orchestrator"),
+        extra={k: p[k] for k in EXTRA_MEMBERS if k in p},
+    )
+    return {"ClusterArn": cluster.arn}
+
+
+def describe_cluster(svc: ClusterService, p: Params) -> dict[str, Any]:
+    cluster, running = svc.describe_cluster(name=p["ClusterName"])
+    return _cluster_description(cluster, running)
+
+
+def delete_cluster(svc: ClusterService, p: Params) -> dict[str, Any]:
+    return {"ClusterArn": svc.delete_cluster(name=p["ClusterName"]).arn}
+
+
+def list_clusters(svc: ClusterService, p: Params) -> dict[str, Any]:
+    page = svc.list_clusters(
+        creation_time_after=p.get("CreationTimeAfter"),
+        creation_time_before=p.get("CreationTimeBefore"),
+        name_contains=p.get("NameContains"),
+        training_plan_arn=p.get("TrainingPlanArn"),
+        sort_by=p.get("SortBy"),
+        sort_order=p.get("SortOrder"),
+        max_results=p.get("MaxResults"),
+        next_token=p.get("NextToken"),
+    )
+    summaries = []
+    for cluster in page.items:
+        summary: dict[str, Any] = {
+            "ClusterArn": cluster.arn,
+            "ClusterName": cluster.name,
+            "CreationTime": cluster.creation_time,
+            "ClusterStatus": cluster.status,
+        }
+        plans = sorted(
+            {g.spec["TrainingPlanArn"] for g in cluster.instance_groups if "TrainingPlanArn" in g.spec}
+        )
+        if plans:
+            summary["TrainingPlanArns"] = plans
+        summaries.append(summary)
+    return {"ClusterSummaries": summaries, "NextToken": page.next_token}
+
+
+def list_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
+    page = svc.list_cluster_nodes(
+        name=p["ClusterName"],
+        creation_time_after=p.get("CreationTimeAfter"),
+        creation_time_before=p.get("CreationTimeBefore"),
+        instance_group_name_contains=p.get("InstanceGroupNameContains"),
+        sort_by=p.get("SortBy"),
+        sort_order=p.get("SortOrder"),
+        max_results=p.get("MaxResults"),
+        next_token=p.get("NextToken"),
+    )
+    logical = bool(p.get("IncludeNodeLogicalIds"))
+    region = svc.config.region
+    return {
+        "ClusterNodeSummaries": [_node_summary(n, region, logical_ids=logical) for n in page.items],
+        "NextToken": page.next_token,
+    }
+
+
+def describe_cluster_node(svc: ClusterService, p: Params) -> dict[str, Any]:
+    node = svc.describe_cluster_node(
+        name=p["ClusterName"], node_id=p.get("NodeId"), node_logical_id=p.get("NodeLogicalId")
+    )
+    cluster, _ = svc.describe_cluster(name=p["ClusterName"])
+    return {"NodeDetails": _node_details(node, cluster, svc.config.region)}
+
+
+def batch_delete_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
+    by_id, by_logical = svc.batch_delete_cluster_nodes(
+        name=p["ClusterName"], node_ids=p.get("NodeIds"), node_logical_ids=p.get("NodeLogicalIds")
+    )
+    return {
+        **_deletion(by_id, "Successful", "Failed", "NodeId"),
+        **_deletion(by_logical, "SuccessfulNodeLogicalIds", "FailedNodeLogicalIds", "NodeLogicalId"),
+    }
+
+
+def _event(cluster: Cluster, event: ClusterEvent) -> dict[str, Any]:
+    return {
+        "EventId": event.id,
+        "ClusterArn": cluster.arn,
+        "ClusterName": cluster.name,
+        "InstanceGroupName": event.instance_group_name,
+        "InstanceId": event.instance_id,
+        "ResourceType": event.resource_type,
+        "EventTime": event.event_time,
+        "Description": event.description,
+        "EventLevel": event.level,
+    }
+
+
+def list_cluster_events(svc: ClusterService, p: Params) -> dict[str, Any]:
+    cluster, page = svc.list_cluster_events(
+        name=p["ClusterName"],
+        instance_group_name=p.get("InstanceGroupName"),
+        node_id=p.get("NodeId"),
+        event_time_after=p.get("EventTimeAfter"),
+        event_time_before=p.get("EventTimeBefore"),
+        resource_type=p.get("ResourceType"),
+        sort_order=p.get("SortOrder"),
+        max_results=p.get("MaxResults"),
+        next_token=p.get("NextToken"),
+    )
+    return {"Events": [_event(cluster, e) for e in page.items], "NextToken": page.next_token}
+
+
+def describe_cluster_event(svc: ClusterService, p: Params) -> dict[str, Any]:
+    cluster, event = svc.describe_cluster_event(name=p["ClusterName"], event_id=p["EventId"])
+    return {"EventDetails": _event(cluster, event)}
+
+
+def add_tags(svc: ClusterService, p: Params) -> dict[str, Any]:
+    return {"Tags": svc.add_tags(arn=p["ResourceArn"], tags=p["Tags"])}
+
+
+def list_tags(svc: ClusterService, p: Params) -> dict[str, Any]:
+    page = svc.list_tags(arn=p["ResourceArn"], max_results=p.get("MaxResults"), next_token=p.get("NextToken"))
+    return {"Tags": [{"Key": t.key, "Value": t.value} for t in page.items], "NextToken": page.next_token}
+
+
+def delete_tags(svc: ClusterService, p: Params) -> dict[str, Any]:
+    svc.delete_tags(arn=p["ResourceArn"], keys=p["TagKeys"])
+    return {}
+
+
+OPERATIONS: dict[str, Handler] = {
+    "CreateCluster": create_cluster,
+    "UpdateCluster": update_cluster,
+    "DescribeCluster": describe_cluster,
+    "DeleteCluster": delete_cluster,
+    "ListClusters": list_clusters,
+    "ListClusterNodes": list_cluster_nodes,
+    "DescribeClusterNode": describe_cluster_node,
+    "BatchDeleteClusterNodes": batch_delete_cluster_nodes,
+    "ListClusterEvents": list_cluster_events,
+    "DescribeClusterEvent": describe_cluster_event,
+    "AddTags": add_tags,
+    "ListTags": list_tags,
+    "DeleteTags": delete_tags,
+}
+
+
+def dispatch(svc: ClusterService, operation: str, body: object) -> dict[str, Any]:
+    """Validate ``body`` against the operation's input shape, run it, serialize the output."""
+    handler = OPERATIONS.get(operation)
+    if handler is None:
+        raise UnknownOperationException(
+            f"Operation {operation} is not supported by hyperpod-sim. Supported operations: "
+            f"{', '.join(sorted(OPERATIONS))}."
+        )
+    params = shapes.validate_input(operation, body)
+    return shapes.serialize_output(operation, handler(svc, params))

@@ -1,0 +1,502 @@
+"""REST routes over the same operations as the AWS JSON entry.
+
+Each route names one AWS operation; its path parameters, query parameters and JSON body are merged
+into that operation's input (AWS member names), which then goes through the same validation,
+domain call and output shaping as ``POST /``. The OpenAPI schema of every body and response is
+generated from botocore's service model, the same source the validation uses.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.openapi.utils import get_openapi
+
+from hyperpod_sim.api import extension_routes, shapes
+from hyperpod_sim.api.deps import ServicesDep, as_aws_error, parse_json
+from hyperpod_sim.api.gate import AGENT_PREFIX, OPEN_PATHS
+from hyperpod_sim.api.operations import OPERATIONS, dispatch
+from hyperpod_sim.domain.errors import (
+    AwsError,
+    ConflictException,
+    ResourceInUse,
+    ResourceNotFound,
+    SerializationException,
+    validation_error,
+)
+
+router = APIRouter(tags=["clusters"])
+
+# REST keeps AWS's error codes and bodies; statuses follow HTTP where one fits better.
+_REST_STATUS: dict[type[AwsError], int] = {
+    ResourceNotFound: 404,
+    ResourceInUse: 409,
+    ConflictException: 409,
+}
+
+
+async def json_body(request: Request) -> Any:
+    """The request's JSON body (``{}`` when empty); SerializationException when it is not JSON."""
+    return parse_json(await request.body())
+
+
+_INTEGER = re.compile(r"-?[0-9]{1,18}")
+
+
+def _integer(key: str, value: str) -> int:
+    """A query parameter of an integer member: ASCII digits with an optional minus sign, within
+    int64 (18 digits); anything else is a ValidationException naming it."""
+    if _INTEGER.fullmatch(value) is None:
+        raise validation_error(
+            [
+                f"Value '{shapes.render(value)}' at '{shapes.camel(key)}' failed to satisfy constraint: "
+                "Member must be an integer (ASCII digits, at most 18)"
+            ]
+        )
+    return int(value)
+
+
+def status_for(error: AwsError) -> int:
+    return _REST_STATUS.get(type(error), error.status)
+
+
+EXAMPLE_CREATE = {
+    "ClusterName": "demo",
+    "InstanceGroups": [
+        {
+            "InstanceGroupName": "workers",
+            "InstanceType": "ml.p5.48xlarge",
+            "InstanceCount": 4,
+            "ExecutionRole": "arn:aws:iam::123456789012:role/HyperPodExecution",
+            "LifeCycleConfig": {"SourceS3Uri": "s3://my-bucket/lifecycle/", "OnCreate": "on_create.sh"},
+        }
+    ],
+    "Orchestrator": {"Eks": {"ClusterArn": "arn:aws:eks:us-east-1:123456789012:cluster/my-eks"}},
+    "TieredStorageConfig": {"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20},
+    "NodeRecovery": "Automatic",
+}
+EXAMPLE_UPDATE = {
+    "InstanceGroups": [
+        {
+            "InstanceGroupName": "workers",
+            "InstanceType": "ml.p5.48xlarge",
+            "InstanceCount": 8,
+            "ExecutionRole": "arn:aws:iam::123456789012:role/HyperPodExecution",
+        }
+    ],
+    "TieredStorageConfig": {"Mode": "Enable", "InstanceMemoryAllocationPercentage": 40},
+}
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    operation: str
+    summary: str
+    # Path parameter -> input member.
+    path_members: dict[str, str] = field(default_factory=dict)
+    body: bool = False
+    query: bool = False
+    example: dict[str, Any] | None = None
+
+
+ROUTES = [
+    Route("POST", "/clusters", "CreateCluster", "Create a cluster", body=True, example=EXAMPLE_CREATE),
+    Route("GET", "/clusters", "ListClusters", "List clusters", query=True),
+    Route("GET", "/clusters/{name}", "DescribeCluster", "Describe a cluster", {"name": "ClusterName"}),
+    Route(
+        "PATCH",
+        "/clusters/{name}",
+        "UpdateCluster",
+        "Update a cluster (scale groups, delete groups, TieredStorageConfig, NodeRecovery)",
+        {"name": "ClusterName"},
+        body=True,
+        example=EXAMPLE_UPDATE,
+    ),
+    Route("DELETE", "/clusters/{name}", "DeleteCluster", "Delete a cluster", {"name": "ClusterName"}),
+    Route(
+        "GET",
+        "/clusters/{name}/nodes",
+        "ListClusterNodes",
+        "List a cluster's nodes",
+        {"name": "ClusterName"},
+        query=True,
+    ),
+    Route(
+        "GET",
+        "/clusters/{name}/nodes/{node_id}",
+        "DescribeClusterNode",
+        "Describe one node",
+        {"name": "ClusterName", "node_id": "NodeId"},
+    ),
+    Route(
+        "POST",
+        "/clusters/{name}/nodes/batch-delete",
+        "BatchDeleteClusterNodes",
+        "Delete nodes by id or logical id",
+        {"name": "ClusterName"},
+        body=True,
+        example={"NodeIds": ["i-0123456789abcdef0"]},
+    ),
+    Route(
+        "GET",
+        "/clusters/{name}/events",
+        "ListClusterEvents",
+        "List a cluster's events (node failures, replacements, policy rollouts), newest first",
+        {"name": "ClusterName"},
+        query=True,
+    ),
+    Route(
+        "GET",
+        "/clusters/{name}/events/{event_id}",
+        "DescribeClusterEvent",
+        "Describe one event",
+        {"name": "ClusterName", "event_id": "EventId"},
+    ),
+    Route(
+        "GET",
+        "/tags",
+        "ListTags",
+        "List the tags of a cluster ARN",
+        query=True,
+    ),
+    Route(
+        "POST",
+        "/tags",
+        "AddTags",
+        "Add or overwrite tags on a cluster ARN",
+        body=True,
+        example={
+            "ResourceArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+            "Tags": [{"Key": "team", "Value": "research"}],
+        },
+    ),
+    Route(
+        "POST",
+        "/tags/delete",
+        "DeleteTags",
+        "Remove tags from a cluster ARN",
+        body=True,
+        example={
+            "ResourceArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+            "TagKeys": ["team"],
+        },
+    ),
+]
+
+
+def _query_params(operation: str, request: Request) -> dict[str, Any]:
+    """Query string -> input members, typed by the input shape (lists repeat the parameter)."""
+    shape = shapes.service_model().operation_model(operation).input_shape
+    params: dict[str, Any] = {}
+    for key in request.query_params:
+        member = shape.members.get(key)
+        values = request.query_params.getlist(key)
+        if member is None:
+            params[key] = values[-1]  # validation reports the unknown member
+        elif member.type_name == "list":
+            params[key] = values
+        elif member.type_name in ("integer", "long"):
+            params[key] = _integer(key, values[-1])
+        elif member.type_name == "boolean":
+            params[key] = {"true": True, "false": False}.get(values[-1].lower(), values[-1])
+        elif member.type_name == "timestamp":
+            value = values[-1]
+            try:
+                params[key] = float(value)
+            except ValueError:
+                params[key] = value
+        else:
+            params[key] = values[-1]
+    return params
+
+
+def _make_endpoint(route: Route) -> Callable[..., Any]:
+    async def endpoint(request: Request, services: ServicesDep) -> Any:
+
+        params: dict[str, Any] = {}
+        if route.query:
+            params.update(_query_params(route.operation, request))
+        if route.body:
+            body = await json_body(request)
+            if not isinstance(body, dict):
+                raise SerializationException("The request body must be a JSON object.")
+            params.update(body)
+        for path_param, member in route.path_members.items():
+            params[member] = request.path_params[path_param]
+        try:
+            return await run_in_threadpool(dispatch, services.clusters, route.operation, params)
+        except Exception as exc:
+            raise as_aws_error(exc) from exc
+
+    endpoint.__name__ = route.operation
+    return endpoint
+
+
+def _openapi_extra(route: Route) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    shape = shapes.service_model().operation_model(route.operation).input_shape
+    if route.body:
+        content: dict[str, Any] = {"schema": {"$ref": f"#/components/schemas/{shape.name}"}}
+        if route.example is not None:
+            content["example"] = route.example
+        extra["requestBody"] = {"required": True, "content": {"application/json": content}}
+    if route.query:
+        params = []
+        for name, member in shape.members.items():
+            if name in route.path_members.values():
+                continue
+            schema = shapes.shape_to_json_schema(member, {})
+            params.append(
+                {
+                    "name": name,
+                    "in": "query",
+                    "required": name in shape.required_members,
+                    "schema": schema,
+                    "description": schema.get("description", ""),
+                }
+            )
+        extra["parameters"] = params
+    return extra
+
+
+_UNAUTHORIZED = (
+    "With credentials configured (HPSIM_AUTH__CREDENTIALS): MissingAuthenticationToken, "
+    "UnrecognizedClientException or InvalidSignatureException (AWS error shape, docs/security.md)"
+)
+_TOO_LARGE = "SerializationException: the body is over HPSIM_LIMITS__MAX_BODY_BYTES"
+
+for _route in ROUTES:
+    _output = shapes.service_model().operation_model(_route.operation).output_shape
+    router.add_api_route(
+        _route.path,
+        _make_endpoint(_route),
+        methods=[_route.method],
+        summary=_route.summary,
+        description=(
+            f"The AWS `{_route.operation}` operation over REST: same members, same validation, "
+            "same errors as `POST /` with `X-Amz-Target: SageMaker."
+            f"{_route.operation}`."
+        ),
+        operation_id=_route.operation,
+        openapi_extra=_openapi_extra(_route),
+        responses={
+            200: {
+                "description": f"{_route.operation} output",
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{_output.name}"}
+                        if _output is not None
+                        else {"type": "object"}
+                    }
+                },
+            },
+            400: {"description": "ValidationException and other client errors (AWS error shape)"},
+            401: {"description": _UNAUTHORIZED},
+            404: {"description": "ResourceNotFound"},
+            409: {"description": "ResourceInUse or ConflictException"},
+            413: {"description": _TOO_LARGE},
+        },
+    )
+
+
+@router.get(
+    "/clusters/{name}/agent-bootstrap",
+    summary="How to start an agent for this cluster (external provisioning)",
+    description="hyperpod-sim extension. The cluster's bootstrap token and the command that starts an "
+    "agent which registers with it and is bound to a pending node slot (docs/agent-protocol.md). "
+    "With the local provisioner the control plane starts agents itself.",
+    tags=["agents"],
+)
+async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
+
+    try:
+        cluster = await run_in_threadpool(lambda: services.clusters.agent_bootstrap(name=name))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    url = services.settings.control_plane_url()
+    return {
+        "ClusterName": cluster.name,
+        "ControlPlaneUrl": url,
+        "BootstrapToken": cluster.bootstrap_token,
+        "Command": f"HPSIM_AGENT_TOKEN={cluster.bootstrap_token} hyperpod-sim agent "
+        f"--control-plane {url} --cluster {cluster.name}",
+    }
+
+
+@router.get(
+    "/clusters/{name}/checkpoint-token",
+    summary="The cluster's checkpoint token (hyperpod-sim extension)",
+    description="What trainers send to the agents' checkpoint routes (`Authorization: Bearer <token>`, "
+    "or `HPSIM_CHECKPOINT_TOKEN` for the SDK) when the checkpoint policy's `AgentAccess` is `Token`. "
+    "Made with the cluster; agents get only its SHA-256. As secret as the control plane's own "
+    "credentials: with control-plane auth off, anyone who reaches the control plane can read it.",
+    tags=["checkpointing"],
+    responses={
+        200: {
+            "content": {
+                "application/json": {
+                    "example": {
+                        "ClusterName": "demo",
+                        "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+                        "AgentAccess": "Token",
+                        "CheckpointToken": "3f1c...",
+                    }
+                }
+            }
+        },
+        404: {"description": "ResourceNotFound"},
+    },
+)
+async def get_checkpoint_token(name: str, services: ServicesDep) -> dict[str, Any]:
+    try:
+        cluster, policy = await run_in_threadpool(lambda: services.clusters.checkpoint_policy(name=name))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    return {
+        "ClusterName": cluster.name,
+        "ClusterArn": cluster.arn,
+        "AgentAccess": policy.agent_access,
+        "CheckpointToken": cluster.checkpoint_token,
+    }
+
+
+CHECKPOINTS_EXAMPLE = {
+    "ClusterName": "demo",
+    "Namespaces": [
+        {
+            "Namespace": "llama",
+            "NumRanks": 3,
+            "StepsRetained": 3,
+            "Steps": [
+                {
+                    "Step": 200,
+                    "Memory": {
+                        "0": "i-0a1b2c3d4e5f60718",
+                        "1": "i-0f1e2d3c4b5a69788",
+                        "2": "i-0a1b2c3d4e5f60718",
+                    },
+                    "Replica": {"0": ["i-0f1e2d3c4b5a69788"], "2": ["i-0f1e2d3c4b5a69788"]},
+                    "S3": True,
+                    "Complete": True,
+                },
+                {"Step": 100, "Memory": {}, "Replica": {}, "S3": True, "Complete": True},
+            ],
+        }
+    ],
+    "Unreachable": [],
+}
+
+
+@router.get(
+    "/clusters/{name}/checkpoints",
+    summary="Where the cluster's checkpoints are held (hyperpod-sim extension)",
+    description="Every checkpoint namespace of the cluster with its steps, newest first: for each "
+    "rank, the node holding its primary copy in memory (`Memory`) and the nodes holding a replica "
+    "(`Replica`); whether the step is committed on S3 (`S3`); and whether it can be restored "
+    "(`Complete`: every rank is held in memory somewhere, or the step is on S3). The control plane "
+    "asks the agent of every Running node, in parallel with a short timeout; agents that do not "
+    "answer are left out of the view and named in `Unreachable`.",
+    tags=["checkpointing"],
+    responses={
+        200: {"content": {"application/json": {"example": CHECKPOINTS_EXAMPLE}}},
+        404: {"description": "ResourceNotFound"},
+    },
+)
+async def list_checkpoints(name: str, services: ServicesDep) -> dict[str, Any]:
+    try:
+        listing = await run_in_threadpool(lambda: services.checkpoints.list_checkpoints(name=name))
+    except Exception as exc:
+        raise as_aws_error(exc) from exc
+    return listing.to_wire()
+
+
+def _aws_json_entry_doc() -> dict[str, Any]:
+    """OpenAPI entry for ``POST /``, which hyperpod_sim/api/awsjson.py serves in front of the routes."""
+    return {
+        "tags": ["aws"],
+        "summary": "AWS JSON 1.1 entry point (boto3, AWS CLI, sagemaker-core)",
+        "description": (
+            "The SageMaker wire protocol. The operation is named by the `X-Amz-Target` header, "
+            "the body is the operation's input as JSON, timestamps are epoch seconds. With "
+            "credentials configured (HPSIM_AUTH__CREDENTIALS) every call must be SigV4-signed with "
+            "one of them (UnrecognizedClientException, InvalidSignatureException, "
+            "IncompleteSignature, MissingAuthenticationToken otherwise); without, signatures are "
+            "not checked. Operations: "
+            + ", ".join(f"`{name}`" for name in sorted(OPERATIONS))
+            + ". Errors: HTTP 400 (500/503 for service faults) with "
+            '`{"__type": "<Code>", "message": "..."}`, which botocore raises as the modelled '
+            "exception."
+        ),
+        "operationId": "AwsJson",
+        "parameters": [
+            {
+                "name": "X-Amz-Target",
+                "in": "header",
+                "required": True,
+                "schema": {"type": "string", "example": "SageMaker.DescribeCluster"},
+                "description": "`SageMaker.<Operation>`",
+            }
+        ],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/x-amz-json-1.1": {
+                    "schema": {"type": "object"},
+                    "example": {"ClusterName": "demo"},
+                }
+            },
+        },
+        "responses": {
+            "200": {"description": "The operation's output as JSON"},
+            "400": {"description": 'AWS error: `{"__type": "<Code>", "message": "..."}`'},
+        },
+    }
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Add the botocore-derived schemas of every routed operation to the OpenAPI document."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            summary=app.summary,
+            description=app.description,
+            routes=app.routes,
+        )
+        components: dict[str, dict[str, Any]] = {}
+        for route in ROUTES:
+            operation = shapes.service_model().operation_model(route.operation)
+            for shape in (operation.input_shape, operation.output_shape):
+                if shape is not None:
+                    shapes.shape_to_json_schema(shape, components)
+        components.update(extension_routes.COMPONENTS)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        # The browser's way in (api/gate.py): Swagger UI's Authorize button sends the bearer token.
+        schema["components"]["securitySchemes"] = {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "hpsim1.<access key id>.<mac>: `hyperpod-sim auth-token` prints it "
+                "(docs/security.md). SigV4 (boto3, the AWS CLI) is accepted as well.",
+            }
+        }
+        schema["security"] = [{"bearer": []}]
+        for path, operations in schema["paths"].items():
+            if path in OPEN_PATHS or path.startswith(AGENT_PREFIX):  # outside the access keys
+                for operation in operations.values():
+                    operation["security"] = []
+        schema["paths"]["/"] = {"post": _aws_json_entry_doc()}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

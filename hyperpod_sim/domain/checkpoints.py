@@ -1,0 +1,224 @@
+"""Where a cluster's checkpoints are: the control plane's view over its agents (the REST extension
+``GET /clusters/{name}/checkpoints``).
+
+The control plane knows the namespaces (hyperpod_sim/domain/agents.py) and every node's agent, but only the
+agents know which shards they hold. A listing asks the agent of every Running node, in parallel
+and with a short timeout, for its index of each namespace (``GET /v1/internal/index/{ns}``: the
+ranks it holds per step, as the primary copy or as a replica of another node's), then one agent
+that answered for the steps committed on S3 (``GET /v1/internal/s3-steps/{ns}``). An agent that
+does not answer is left out and named in ``unreachable``: its shards are missing from the view,
+though their replicas on other nodes still show.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from sqlalchemy import select
+from sqlalchemy.orm import selectinload
+
+from hyperpod_sim.domain.agent_client import AgentConnection, AgentUnreachable
+from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
+from hyperpod_sim.domain.errors import ResourceNotFound
+from hyperpod_sim.domain.lifecycle import NodeStatus
+from hyperpod_sim.domain.policy import ring
+from hyperpod_sim.models import CheckpointNamespace, Cluster, Database
+
+
+@dataclass(frozen=True)
+class CheckpointListingConfig:
+    # An agent answers its index from memory: one that takes longer is hung or gone.
+    agent_timeout_s: float = 2.0
+    # The S3 steps are a LIST on S3, through the agent: slower, and only asked of agents that answered.
+    s3_timeout_s: float = 10.0
+    workers: int = 16
+
+
+@dataclass(frozen=True)
+class StepLocation:
+    """One step of a namespace: which node holds each rank's primary copy and its replicas."""
+
+    step: int
+    memory: dict[int, str]  # rank -> the node holding its primary copy
+    replica: dict[int, list[str]]  # rank -> the nodes holding a replica
+    on_s3: bool  # committed on S3 (its marker is there)
+    complete: bool  # every rank held in memory somewhere, or on S3
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "Step": self.step,
+            "Memory": {str(rank): node for rank, node in sorted(self.memory.items())},
+            "Replica": {str(rank): nodes for rank, nodes in sorted(self.replica.items())},
+            "S3": self.on_s3,
+            "Complete": self.complete,
+        }
+
+
+@dataclass(frozen=True)
+class NamespaceCheckpoints:
+    namespace: str
+    num_ranks: int
+    steps_retained: int
+    steps: list[StepLocation]  # newest first
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "Namespace": self.namespace,
+            "NumRanks": self.num_ranks,
+            "StepsRetained": self.steps_retained,
+            "Steps": [step.to_wire() for step in self.steps],
+        }
+
+
+@dataclass(frozen=True)
+class ClusterCheckpoints:
+    cluster_name: str
+    namespaces: list[NamespaceCheckpoints]
+    unreachable: list[str]  # node ids of Running nodes whose agent did not answer
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "ClusterName": self.cluster_name,
+            "Namespaces": [namespace.to_wire() for namespace in self.namespaces],
+            "Unreachable": self.unreachable,
+        }
+
+
+@dataclass(frozen=True)
+class _Namespace:
+    name: str
+    num_ranks: int
+    steps_retained: int
+
+
+@dataclass(frozen=True)
+class _Index:
+    """One agent's index of one namespace: step -> ranks."""
+
+    primary: dict[int, list[int]]
+    replica: dict[int, list[int]]
+
+
+def _steps(doc: object) -> dict[int, list[int]]:
+    if not isinstance(doc, dict):
+        return {}
+    return {int(step): [int(rank) for rank in ranks] for step, ranks in doc.items()}
+
+
+def _locate(
+    namespace: _Namespace, indexes: list[tuple[str, _Index]], s3_steps: set[int]
+) -> NamespaceCheckpoints:
+    """Merge the agents' indexes (in ring order: the first holder of a primary copy is named)."""
+    memory: dict[int, dict[int, str]] = {}
+    replica: dict[int, dict[int, list[str]]] = {}
+    for node_id, index in indexes:
+        for step, ranks in index.primary.items():
+            for rank in ranks:
+                memory.setdefault(step, {}).setdefault(rank, node_id)
+        for step, ranks in index.replica.items():
+            for rank in ranks:
+                replica.setdefault(step, {}).setdefault(rank, []).append(node_id)
+    everyone = set(range(namespace.num_ranks))
+    steps = []
+    for step in sorted(set(memory) | set(replica) | s3_steps, reverse=True):
+        held = set(memory.get(step, {})) | set(replica.get(step, {}))
+        on_s3 = step in s3_steps
+        steps.append(
+            StepLocation(
+                step=step,
+                memory=memory.get(step, {}),
+                replica=replica.get(step, {}),
+                on_s3=on_s3,
+                complete=on_s3 or everyone <= held,
+            )
+        )
+    return NamespaceCheckpoints(namespace.name, namespace.num_ranks, namespace.steps_retained, steps)
+
+
+class CheckpointCatalog:
+    """Lists a cluster's checkpoints by asking its agents (see the module docstring)."""
+
+    def __init__(self, *, db: Database, config: CheckpointListingConfig | None = None) -> None:
+        self.db = db
+        self.config = config or CheckpointListingConfig()
+        self._pool = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="checkpoints")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def list_checkpoints(self, *, name: str) -> ClusterCheckpoints:
+        """Every namespace of the cluster (by name or ARN) with its steps, newest first."""
+        column = Cluster.arn if name.startswith("arn:") else Cluster.name
+        with self.db.read() as session:
+            cluster = session.scalars(
+                select(Cluster)
+                .where(column == name)
+                .options(selectinload(Cluster.instance_groups), selectinload(Cluster.nodes))
+            ).one_or_none()
+            if cluster is None:
+                raise ResourceNotFound(f"Cluster '{name}' does not exist.")
+            cluster_name, token = cluster.name, cluster.token
+            running = [n for n in cluster.nodes if n.status == NodeStatus.RUNNING and n.endpoint]
+            agents = [(n.id, str(n.endpoint)) for n in ring(cluster, running)]
+            has_s3 = CheckpointPolicy.from_stored(cluster.checkpoint_policy).s3_base_uri is not None
+            namespaces = [
+                _Namespace(n.name, n.num_ranks, n.steps_retained)
+                for n in session.scalars(
+                    select(CheckpointNamespace)
+                    .where(CheckpointNamespace.cluster_id == cluster.id)
+                    .order_by(CheckpointNamespace.name)
+                )
+            ]
+        if not namespaces:
+            return ClusterCheckpoints(cluster_name, [], [])
+        answers = list(self._pool.map(lambda agent: self._indexes(agent[1], namespaces, token), agents))
+        reachable = [
+            (agent, found) for agent, found in zip(agents, answers, strict=True) if found is not None
+        ]
+        unreachable = [node_id for (node_id, _), found in zip(agents, answers, strict=True) if found is None]
+        endpoints = [endpoint for (_, endpoint), _ in reachable]
+        s3_steps: list[set[int]] = [set() for _ in namespaces]
+        if has_s3 and endpoints:
+            s3_steps = list(self._pool.map(lambda ns: self._s3_steps(endpoints, ns.name, token), namespaces))
+        listed = [
+            _locate(ns, [(node_id, found[ns.name]) for (node_id, _), found in reachable], on_s3)
+            for ns, on_s3 in zip(namespaces, s3_steps, strict=True)
+        ]
+        return ClusterCheckpoints(cluster_name, listed, unreachable)
+
+    def _indexes(self, endpoint: str, namespaces: list[_Namespace], token: str) -> dict[str, _Index] | None:
+        """One agent's index of every namespace, over one connection; None as soon as one call
+        fails (the agent is left out: a hung one must not cost a timeout per namespace)."""
+        found: dict[str, _Index] = {}
+        try:
+            with AgentConnection(endpoint, token=token, timeout=self.config.agent_timeout_s) as agent:
+                for namespace in namespaces:
+                    answer = agent.call("GET", f"/v1/internal/index/{quote(namespace.name, safe='')}")
+                    if answer.status != 200:
+                        return None
+                    doc = answer.json()
+                    found[namespace.name] = _Index(_steps(doc.get("primary")), _steps(doc.get("replica")))
+        except (AgentUnreachable, ValueError, TypeError, AttributeError):
+            return None
+        return found
+
+    def _s3_steps(self, endpoints: list[str], name: str, token: str) -> set[int]:
+        """The namespace's steps committed on S3, from the first agent that answers (every agent
+        of the cluster persists to the same place)."""
+        for endpoint in endpoints:
+            try:
+                with AgentConnection(
+                    endpoint,
+                    token=token,
+                    timeout=self.config.s3_timeout_s,
+                    connect_timeout=self.config.agent_timeout_s,
+                ) as agent:
+                    answer = agent.call("GET", f"/v1/internal/s3-steps/{quote(name, safe='')}")
+                if answer.status == 200:
+                    return {int(step) for step in answer.json()["steps"]}
+            except (AgentUnreachable, ValueError, KeyError, TypeError):
+                continue
+        return set()

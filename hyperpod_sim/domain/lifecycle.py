@@ -1,0 +1,104 @@
+"""Declared status transitions of clusters, instance groups and nodes, and the policy generation.
+
+Every status change goes through ``check_transition`` (``events.move`` calls it and records the
+change's event): a move that its table does not list is a bug, raised as ``InternalFailure``. A
+status that stays what it is is no move and is always allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from hyperpod_sim.domain.errors import InternalFailure
+from hyperpod_sim.models import Cluster
+
+
+class ClusterStatus(StrEnum):
+    CREATING = "Creating"
+    IN_SERVICE = "InService"
+    UPDATING = "Updating"
+    DELETING = "Deleting"
+    FAILED = "Failed"
+
+
+class NodeStatus(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    FAILURE = "Failure"
+    SHUTTING_DOWN = "ShuttingDown"
+
+
+class GroupStatus(StrEnum):
+    CREATING = "Creating"
+    IN_SERVICE = "InService"
+    UPDATING = "Updating"
+    DELETING = "Deleting"
+    DEGRADED = "Degraded"
+    FAILED = "Failed"
+
+
+CLUSTER_TRANSITIONS: dict[ClusterStatus, frozenset[ClusterStatus]] = {
+    ClusterStatus.CREATING: frozenset({ClusterStatus.IN_SERVICE, ClusterStatus.FAILED}),
+    ClusterStatus.IN_SERVICE: frozenset({ClusterStatus.UPDATING, ClusterStatus.DELETING}),
+    ClusterStatus.UPDATING: frozenset({ClusterStatus.IN_SERVICE, ClusterStatus.FAILED}),
+    ClusterStatus.FAILED: frozenset({ClusterStatus.DELETING}),
+    # Deleting ends with the row gone.
+    ClusterStatus.DELETING: frozenset(),
+}
+
+GROUP_TRANSITIONS: dict[GroupStatus, frozenset[GroupStatus]] = {
+    # A new group is InService once its cluster is (every node Running with the current policy).
+    GroupStatus.CREATING: frozenset({GroupStatus.IN_SERVICE, GroupStatus.DELETING}),
+    GroupStatus.IN_SERVICE: frozenset({GroupStatus.UPDATING, GroupStatus.DELETING}),
+    GroupStatus.UPDATING: frozenset({GroupStatus.IN_SERVICE, GroupStatus.DELETING}),
+    GroupStatus.DEGRADED: frozenset({GroupStatus.IN_SERVICE, GroupStatus.UPDATING, GroupStatus.DELETING}),
+    GroupStatus.FAILED: frozenset({GroupStatus.DELETING}),
+    # Deleting ends with the row gone, once its nodes are.
+    GroupStatus.DELETING: frozenset(),
+}
+
+NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
+    NodeStatus.PENDING: frozenset({NodeStatus.RUNNING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
+    NodeStatus.RUNNING: frozenset({NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
+    # A failed node whose agent registers or heartbeats again is Pending until it has the policy;
+    # one that is replaced (NodeRecovery: Automatic) or deleted shuts down.
+    NodeStatus.FAILURE: frozenset({NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN}),
+    # ShuttingDown ends with the row gone, once its agent has stopped.
+    NodeStatus.SHUTTING_DOWN: frozenset(),
+}
+
+# A node's statuses while it is a member of its cluster (of the replica ring, of the policy).
+LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
+
+# Statuses in which the cluster accepts UpdateCluster / DeleteCluster / node deletion.
+MUTABLE = frozenset({ClusterStatus.IN_SERVICE})
+DELETABLE = frozenset({ClusterStatus.IN_SERVICE, ClusterStatus.FAILED})
+
+S = TypeVar("S", ClusterStatus, GroupStatus, NodeStatus)
+
+
+def check_transition(current: str, target: S) -> S:
+    """Return ``target`` if its table allows ``current -> target`` (or it is ``current``); a bug
+    otherwise."""
+    kind, table = _TABLES[type(target)]
+    source = type(target)(current)
+    if source != target and target not in table[source]:
+        raise InternalFailure(f"illegal {kind} transition {source} -> {target}")
+    return target
+
+
+_TABLES: dict[type[StrEnum], tuple[str, Mapping[Any, frozenset[Any]]]] = {
+    ClusterStatus: ("cluster", CLUSTER_TRANSITIONS),
+    GroupStatus: ("instance group", GROUP_TRANSITIONS),
+    NodeStatus: ("node", NODE_TRANSITIONS),
+}
+
+
+def bump_generation(cluster: Cluster) -> int:
+    """A new policy generation for ``cluster`` (its desired state changed: the node set, the
+    replica ring, the tiered storage or checkpoint policy, an S3 fault); the reconciler pushes it
+    to every node until each has applied it. The new generation."""
+    cluster.generation += 1
+    return cluster.generation

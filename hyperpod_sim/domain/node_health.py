@@ -1,0 +1,166 @@
+"""The reconciler's watch over nodes with agents: crashed agents started again (with a backoff, as
+a kubelet restarts a daemon), silent nodes failed, failed nodes replaced (NodeRecovery: Automatic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy.orm import Session
+
+from hyperpod_sim.domain import credentials, events, faults
+from hyperpod_sim.domain.clock import Ids
+from hyperpod_sim.domain.events import Level
+from hyperpod_sim.domain.lifecycle import GroupStatus, NodeStatus, bump_generation
+from hyperpod_sim.domain.nodes import fail_node, new_node
+from hyperpod_sim.domain.outcome import Outcome
+from hyperpod_sim.domain.provisioning import Provisioner
+from hyperpod_sim.models import Cluster, Node
+
+# A crashed agent is restarted at once; one that crashes again within RESTART_WINDOW_S of its last
+# restart waits RESTART_BACKOFF_S, doubling with each such restart up to RESTART_BACKOFF_MAX_S.
+RESTART_WINDOW_S = 60.0
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    ids: Ids
+    provisioner: Provisioner
+    heartbeat_timeout_s: float
+    launch_timeout_s: float
+    node_ready_delay_s: float
+    restart_agents: bool
+
+    def restart_crashed_agents(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
+        """Start again the agent of a Pending or Running node whose agent process has gone (it
+        registered before, so it did not just fail to start), unless the node was lost (a NodeLoss
+        fault): the node keeps its id and its shared memory, and the agent finds its shards there."""
+        outcome = Outcome()
+        if not self.restart_agents:
+            return outcome
+        candidates = [
+            n for n in cluster.nodes if n.status in (NodeStatus.PENDING, NodeStatus.RUNNING) and n.endpoint
+        ]
+        exited = self.provisioner.exited_agents([n.id for n in candidates])
+        if exited is None:
+            return outcome
+        lost = faults.lost_nodes(cluster)
+        for node in candidates:
+            if node.id not in exited or node.id in lost:
+                continue
+            last = node.agent_restarted_at
+            restarts = 1
+            if last is not None and now - last < timedelta(seconds=RESTART_WINDOW_S):
+                delay = timedelta(
+                    seconds=min(RESTART_BACKOFF_S * 2 ** (node.agent_restarts - 1), RESTART_BACKOFF_MAX_S)
+                )
+                if now < last + delay:
+                    outcome.note_due(last + delay)
+                    outcome.restart_pending.add(node.id)
+                    continue
+                restarts = node.agent_restarts + 1
+            node.agent_restarts = restarts
+            node.agent_restarted_at = now
+            events.record(
+                session,
+                ids=self.ids,
+                now=now,
+                cluster=cluster,
+                node=node,
+                level=Level.WARN,
+                description=f"The agent of node {node.id} exited unexpectedly; restarting it "
+                f"(restart {restarts} in a row).",
+            )
+            outcome.launches.append(node.id)
+            outcome.changed = True
+        return outcome
+
+    def detect_failures(
+        self,
+        session: Session,
+        cluster: Cluster,
+        now: datetime,
+        *,
+        back: datetime,
+        restart_pending: set[str],
+        started_again_and_silent: Callable[[Node], bool],
+    ) -> Outcome:
+        """Fail the nodes whose agent is silent past its deadline, and replace the failed ones
+        (NodeRecovery: Automatic). Silence while the control plane could not hear does not count:
+        each deadline runs from ``back`` at the earliest (the control plane's start, the database's
+        last outage). ``restart_pending``: nodes whose agent waits out its restart backoff."""
+        outcome = Outcome()
+        replaced = False
+        for node in list(cluster.nodes):
+            reason = None
+            if node.status in (NodeStatus.PENDING, NodeStatus.RUNNING) and node.id not in restart_pending:
+                # (A node whose agent is being restarted, as in a kubelet's CrashLoopBackOff, stays
+                # up through the backoff; the restarted agent then has the launch timeout.)
+                reason = self._silence(node, now, back, started_again_and_silent(node), outcome)
+            if reason is not None:
+                fail_node(session, cluster, node, now, reason, ids=self.ids)
+                outcome.changed = True
+            if node.status == NodeStatus.FAILURE and cluster.node_recovery == "Automatic":
+                self._replace(session, cluster, node, now, outcome)
+                replaced = True
+                outcome.changed = outcome.again = True
+        if replaced:
+            bump_generation(cluster)  # the ring changed: every node's replica peers may have
+        return outcome
+
+    def _silence(
+        self, node: Node, now: datetime, back: datetime, started_again: bool, outcome: Outcome
+    ) -> str | None:
+        """Why a Pending or Running node fails for its agent's silence, or None (then when it is
+        due to be looked at again is noted)."""
+        heartbeat_timeout = timedelta(seconds=self.heartbeat_timeout_s)
+        launch_timeout = timedelta(seconds=self.launch_timeout_s)
+        restarted = node.agent_restarted_at
+        last_heartbeat = node.last_heartbeat
+        if last_heartbeat is not None and (
+            (restarted is not None and restarted >= last_heartbeat) or started_again
+        ):
+            # A restarted agent (after a crash, or with the control plane) has as long to register
+            # as a new one, counted from the last heartbeat: an agent that keeps crashing does not
+            # keep its node alive.
+            deadline = max(last_heartbeat, back) + heartbeat_timeout + launch_timeout
+            why = "was started again with the control plane" if started_again else "crashed and was restarted"
+            reason = f"its agent {why}, but did not register within {self.launch_timeout_s:g} s"
+        elif last_heartbeat is not None:
+            deadline = max(last_heartbeat, back) + heartbeat_timeout
+            reason = f"no heartbeat from its agent for {self.heartbeat_timeout_s:g} s"
+        else:
+            deadline = max(node.launch_time, back) + launch_timeout
+            reason = f"its agent did not register within {self.launch_timeout_s:g} s"
+        if now >= deadline:
+            return reason
+        outcome.note_due(deadline)
+        return None
+
+    def _replace(
+        self, session: Session, cluster: Cluster, node: Node, now: datetime, outcome: Outcome
+    ) -> None:
+        """Shut a failed node down and launch its replacement in the same slot."""
+        group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
+        events.move(session, node, NodeStatus.SHUTTING_DOWN, ids=self.ids, now=now)
+        # Its credentials die with it: the replacement registers with a secret of its own.
+        credentials.revoke(node)
+        if group is None or group.status == GroupStatus.DELETING:
+            return
+        replacement = new_node(
+            session, cluster, group, now, ids=self.ids, ready_delay_s=self.node_ready_delay_s, slot=node.slot
+        )
+        outcome.launches.append(replacement.id)
+        events.record(
+            session,
+            ids=self.ids,
+            now=now,
+            cluster=cluster,
+            node=node,
+            level=Level.WARN,
+            description=f"Node {node.id} is replaced by {replacement.id} (NodeRecovery: Automatic).",
+        )

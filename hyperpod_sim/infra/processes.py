@@ -1,0 +1,184 @@
+"""Processes on this machine: starting an agent in a session of its own, its pidfile, signals to
+its process group, whether it still runs, and its shared memory.
+
+A running agent is known by its pid and the start time the kernel gives it (field 22 of
+``/proc/<pid>/stat``), so that a pid the kernel gave to another process since is not taken for the
+agent. Both are in the agent's pidfile, which outlives the control plane that wrote it: the next one
+adopts the agents it finds there (hyperpod_sim/infra/local.py).
+
+``agent_processes`` and ``find_agent_pids`` scan every process's command line; they are for
+observers (the tests, bench/), not for the provisioner, which knows its agents by handle and
+pidfile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+PIDFILE = "agent.pid"
+
+
+@dataclass(frozen=True)
+class Pidfile:
+    """What a control plane wrote when it started an agent (``<agent dir>/agent.pid``)."""
+
+    pid: int
+    start_time: int  # the kernel's start time of the process, in clock ticks since boot
+    node_id: str
+    control_plane: str  # the address the agent calls
+
+    def write(self, agent_dir: Path) -> None:
+        """Write it atomically (a reader sees the old file or the new one, never half of one)."""
+        path = agent_dir / PIDFILE
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(self.__dict__))
+        partial.replace(path)
+
+    @classmethod
+    def read(cls, agent_dir: Path) -> Pidfile | None:
+        """The agent dir's pidfile, or None if it has none (or one it cannot read)."""
+        try:
+            doc = json.loads((agent_dir / PIDFILE).read_text())
+            return cls(
+                pid=int(doc["pid"]),
+                start_time=int(doc["start_time"]),
+                node_id=str(doc["node_id"]),
+                control_plane=str(doc["control_plane"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def remove(agent_dir: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (agent_dir / PIDFILE).unlink()
+
+    def alive(self) -> bool:
+        """Whether the process it names still runs (and is the one it names)."""
+        return start_time(self.pid) == self.start_time
+
+
+def start_time(pid: int) -> int | None:
+    """The kernel's start time of process ``pid``; None if there is none, or only its zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold anything, spaces included.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):  # exited, not yet collected
+        return None
+    return int(fields[19])
+
+
+def spawn(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a session (and process group) of its own, its output appended to
+    ``log_path``: the SIGINT of a Ctrl+C in the control plane's terminal reaches the control
+    plane's process group only. May raise OSError."""
+    with open(log_path, "ab") as logfile:
+        return subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def signal_group(pid: int, signum: int) -> bool:
+    """Send ``signum`` to the process group that ``pid`` leads (an agent and whatever it runs);
+    whether there was one."""
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):  # not a group leader: the process alone
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            return False
+    return True
+
+
+def wipe_shared_memory(directory: Path) -> None:
+    """Remove a node's shared-memory directory (its shards are gone with it)."""
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- observers' scans of /proc
+
+
+@dataclass(frozen=True)
+class AgentProcess:
+    """An agent process on this machine, as its command line describes it."""
+
+    pid: int
+    node_id: str
+    control_plane: str | None
+    data_dir: Path | None
+
+
+def command_lines() -> dict[int, list[bytes]]:
+    """Every process's command line, split into its arguments (one pass over /proc); a zombie
+    has none, so is not listed."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                argv = handle.read().split(b"\0")
+        except OSError:
+            continue
+        if argv != [b""]:
+            found[int(entry.name)] = argv
+    return found
+
+
+def _flag(argv: list[bytes], name: bytes) -> str | None:
+    index = argv.index(name) + 1 if name in argv else len(argv)
+    return argv[index].decode(errors="replace") if index < len(argv) else None
+
+
+def agent_processes() -> list[AgentProcess]:
+    """Every agent process on this machine with a node id: a command line with an argument
+    ending in ``agent`` and ``--node-id``."""
+    found = []
+    for pid, argv in command_lines().items():
+        node_id = _flag(argv, b"--node-id")
+        if node_id is None or not any(arg.endswith(b"agent") for arg in argv):
+            continue
+        data_dir = _flag(argv, b"--data-dir")
+        found.append(
+            AgentProcess(
+                pid=pid,
+                node_id=node_id,
+                control_plane=_flag(argv, b"--control-plane"),
+                data_dir=Path(data_dir) if data_dir is not None else None,
+            )
+        )
+    return found
+
+
+def find_agent_pids(node_id: str) -> list[int]:
+    """Processes on this machine running the agent of ``node_id`` (by their command line)."""
+    return [agent.pid for agent in agent_processes() if agent.node_id == node_id]
+
+
+def pids_mentioning(path: Path, argument: str) -> list[int]:
+    """Processes (not this one) whose command line contains ``path`` anywhere and ``argument`` as
+    the end of an argument (e.g. ``agent``: ``hyperpod-sim agent --data-dir <path>/...``)."""
+    marker = str(path).encode()
+    wanted = argument.encode()
+    return [
+        pid
+        for pid, argv in command_lines().items()
+        if pid != os.getpid() and any(arg.endswith(wanted) for arg in argv) and marker in b"\0".join(argv)
+    ]

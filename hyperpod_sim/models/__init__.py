@@ -1,0 +1,23 @@
+"""Persistence only: SQLAlchemy tables and the engine/session factory."""
+
+from hyperpod_sim.models.db import Database
+from hyperpod_sim.models.tables import (
+    Base,
+    CheckpointNamespace,
+    Cluster,
+    ClusterEvent,
+    InstanceGroup,
+    Node,
+    Tag,
+)
+
+__all__ = [
+    "Base",
+    "CheckpointNamespace",
+    "Cluster",
+    "ClusterEvent",
+    "Database",
+    "InstanceGroup",
+    "Node",
+    "Tag",
+]

@@ -1,0 +1,175 @@
+"""Tables of the control plane. API shapes live in api/, not here."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC timestamps on every backend (SQLite keeps no zone of its own)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {
+        datetime: UtcDateTime(),
+        dict[str, Any]: JSON,
+        list[Any]: JSON,
+    }
+
+
+class Cluster(Base):
+    __tablename__ = "clusters"
+
+    id: Mapped[str] = mapped_column(String(12), primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    arn: Mapped[str] = mapped_column(String(256), unique=True)
+    status: Mapped[str] = mapped_column(String(32))
+    failure_message: Mapped[str | None] = mapped_column(Text)
+    creation_time: Mapped[datetime]
+    updated_time: Mapped[datetime]
+    node_recovery: Mapped[str] = mapped_column(String(16))
+    orchestrator: Mapped[dict[str, Any] | None]
+    vpc_config: Mapped[dict[str, Any] | None]
+    tiered_storage: Mapped[dict[str, Any] | None]
+    # Members stored and echoed back without semantics of their own (ClusterRole, AutoScaling, ...).
+    extra: Mapped[dict[str, Any]]
+    # Bumped by every change of the desired state; the reconciler works until it is observed.
+    generation: Mapped[int] = mapped_column(Integer, default=1)
+    # The checkpoint policy extension (domain/checkpoint_policy.py), in its wire shape; None: defaults.
+    checkpoint_policy: Mapped[dict[str, Any] | None]
+    # Injected faults still in force (hyperpod_sim/domain/faults.py), in their wire shape; None: none ever.
+    faults: Mapped[list[Any] | None]
+    # Agent <-> control plane secrets (docs/agent-protocol.md).
+    token: Mapped[str] = mapped_column(String(64))
+    bootstrap_token: Mapped[str] = mapped_column(String(64))
+    # What trainers send to the agents' checkpoint routes when AgentAccess is Token (agents get
+    # only its SHA-256, in the node policy).
+    checkpoint_token: Mapped[str] = mapped_column(String(64))
+
+    instance_groups: Mapped[list[InstanceGroup]] = relationship(
+        back_populates="cluster",
+        cascade="all, delete-orphan",
+        order_by="InstanceGroup.position",
+    )
+    nodes: Mapped[list[Node]] = relationship(
+        back_populates="cluster", cascade="all, delete-orphan", order_by="Node.launch_time"
+    )
+
+
+class InstanceGroup(Base):
+    __tablename__ = "instance_groups"
+    __table_args__ = (UniqueConstraint("cluster_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    position: Mapped[int]
+    instance_type: Mapped[str] = mapped_column(String(64))
+    target_count: Mapped[int]
+    status: Mapped[str] = mapped_column(String(32))
+    restricted: Mapped[bool] = mapped_column(default=False)
+    # The group's specification as the client sent it (ExecutionRole, LifeCycleConfig, ...).
+    spec: Mapped[dict[str, Any]]
+
+    cluster: Mapped[Cluster] = relationship(back_populates="instance_groups")
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(19), primary_key=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    group_name: Mapped[str] = mapped_column(String(63))
+    # Position in its group, kept by a replacement: the replica ring is ordered by it.
+    slot: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    logical_id: Mapped[str] = mapped_column(String(128), unique=True)
+    instance_type: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(32))
+    status_message: Mapped[str | None] = mapped_column(Text)
+    launch_time: Mapped[datetime]
+    ready_at: Mapped[datetime]
+    private_ip: Mapped[str] = mapped_column(String(15))
+    # The node's agent, as it registered and last reported.
+    endpoint: Mapped[str | None] = mapped_column(String(256))
+    pid: Mapped[int | None]
+    registered_at: Mapped[datetime | None]
+    last_heartbeat: Mapped[datetime | None]
+    acked_generation: Mapped[int] = mapped_column(Integer, default=0)
+    # Policy push bookkeeping, persisted so a restarted control plane resumes retries.
+    push_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_push_at: Mapped[datetime | None]
+    push_claimed_until: Mapped[datetime | None]
+    last_error: Mapped[str | None] = mapped_column(Text)
+    # The agent's S3 tier as its last heartbeat reported it (docs/agent-protocol.md); None: no
+    # S3 tier, or an agent that does not report one.
+    s3_status: Mapped[dict[str, Any] | None]
+    # Restarts of a crashed agent on this node (domain/reconciler.py), for the restart backoff and
+    # the registration deadline of a restarted agent; persisted so a restarted control plane keeps them.
+    agent_restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    agent_restarted_at: Mapped[datetime | None]
+    # Credentials of the node's agent (domain/credentials.py): the digest of the launch secret the
+    # local provisioner handed to the agent process it started (None: not bound, or consumed), the
+    # digest of the node token registration answered, and the token the control plane pushes with.
+    launch_secret_hash: Mapped[str | None] = mapped_column(String(64))
+    token_hash: Mapped[str | None] = mapped_column(String(64), index=True)
+    push_token: Mapped[str | None] = mapped_column(String(64))
+
+    cluster: Mapped[Cluster] = relationship(back_populates="nodes")
+
+
+class ClusterEvent(Base):
+    __tablename__ = "cluster_events"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    resource_type: Mapped[str] = mapped_column(String(16))
+    instance_group_name: Mapped[str | None] = mapped_column(String(63))
+    instance_id: Mapped[str | None] = mapped_column(String(19))
+    event_time: Mapped[datetime] = mapped_column(index=True)
+    level: Mapped[str] = mapped_column(String(8))
+    description: Mapped[str] = mapped_column(Text)
+
+
+class Tag(Base):
+    __tablename__ = "tags"
+    __table_args__ = (UniqueConstraint("resource_arn", "key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    resource_arn: Mapped[str] = mapped_column(String(256), index=True)
+    key: Mapped[str] = mapped_column(String(128))
+    value: Mapped[str] = mapped_column(String(256))
+
+
+class CheckpointNamespace(Base):
+    """A trainer's checkpoint namespace, cluster-wide: any agent of the cluster answers for it."""
+
+    __tablename__ = "checkpoint_namespaces"
+    __table_args__ = (UniqueConstraint("cluster_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(256))
+    num_ranks: Mapped[int]
+    steps_retained: Mapped[int]
+    created_at: Mapped[datetime]
