@@ -12,6 +12,7 @@ from agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier
 from agents.partition import Partition
 from agents.state import AgentState, ApplyStatus, Credential
 from agents.tier import MemoryTier
+from agents.tierroutes import TierRoutes
 
 
 class AgentApp:
@@ -20,6 +21,7 @@ class AgentApp:
     ) -> None:
         self._state = state
         self._tier = tier
+        self._tier_routes = TierRoutes(tier) if tier is not None else None
         self._partition = partition
         self._routes: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {
             "/health": {"GET": self.health},
@@ -31,8 +33,8 @@ class AgentApp:
         if self._partition is not None and self._partition.blocks(request.headers.get("user-agent", "")):
             # The control plane is cut off (a NetworkPartition): the connection closes unanswered.
             raise DropConnection(f"network partition (fault {self._partition.fault_id})")
-        if self._tier is not None and request.path.startswith("/v1/"):
-            answer = await self._tier.handle(request)
+        if self._tier_routes is not None and request.path.startswith("/v1/"):
+            answer = await self._tier_routes.handle(request)
             if answer is not None:
                 return answer
         methods = self._routes.get(request.path.rstrip("/") or "/")
