@@ -1,20 +1,22 @@
 """The memory tier's routes: ``/v1/cp/...`` (the library's protocol), ``/v1/fast/...`` (the same-host
 fast path of our SDK) and ``/v1/internal/...`` (agent to agent, cluster token).
 
-This module owns the HTTP side of the tier: it matches a request to a route, checks who may call it
-(one check, :func:`agents.access.refusal`, for every route that needs a token), reads the request's
-parameters and body, calls :class:`agents.tier.MemoryTier` and turns what it returns (a document, a
-:class:`ShardCopy`) or raises (:class:`TierError`) into the response.
+This module owns the HTTP side of the tier: it matches a request to a route and names the
+credential the route needs (checked once, with the admin API's routes, by
+:class:`agents.app.AgentApp`), reads the request's parameters and body, calls
+:class:`agents.tier.MemoryTier` and turns what it returns (a document, a :class:`ShardCopy`) or
+raises (:class:`TierError`) into the response.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
-from agents.access import checkpoint_credential, refusal
+from agents.access import checkpoint_credential
 from agents.httpserver import Request, Response, error_response, json_response
 from agents.numbers import canonical_int
 from agents.state import Credential
@@ -76,44 +78,60 @@ def refused(exc: TierError) -> Response:
     return error_response(exc.status, exc.error, exc.message, **exc.extra)
 
 
+@dataclass(frozen=True)
+class RouteMatch:
+    """A route found for a request: what answers it, and the credential it needs (None: anyone).
+    The one check of that credential is the agent app's (:class:`agents.app.AgentApp`)."""
+
+    handler: Route
+    credential: Credential | None
+
+
+def _answering_errors(route: Route) -> Route:
+    async def answer(request: Request) -> Response:
+        try:
+            return await route(request)
+        except TierError as exc:
+            return refused(exc)
+
+    return answer
+
+
+async def _tiering_off(request: Request) -> Response:
+    return error_response(
+        503,
+        "TieredStorageDisabled",
+        "tiered storage is off on this cluster (TieredStorageConfig Mode is not Enable, or "
+        "this agent has no policy yet)",
+    )
+
+
 class TierRoutes:
     def __init__(self, tier: MemoryTier) -> None:
         self.tier = tier
 
-    async def handle(self, request: Request) -> Response | None:
-        """The response for a tier route, or None if the path is not one of the tier's."""
+    def match(self, request: Request) -> RouteMatch | None:
+        """The tier route of a request, and who may call it; None if the path is not one of the
+        tier's (the admin API's routes then)."""
         parts = [unquote(p) for p in request.path.strip("/").split("/")]
         state = self.tier.state
-        credential: Credential | None
         if parts[:2] in (["v1", "cp"], ["v1", "fast"]):
             # /v1/cp/...: the library's protocol; /v1/fast/...: the same-host fast path of our SDK.
             route = self._public_route(request.method, parts[2:] if parts[1] == "cp" else parts[1:])
             if route is None:
                 return None
             if not state.tiered_storage_enabled:
-                return error_response(
-                    503,
-                    "TieredStorageDisabled",
-                    "tiered storage is off on this cluster (TieredStorageConfig Mode is not Enable, or "
-                    "this agent has no policy yet)",
-                )
+                return RouteMatch(_tiering_off, None)
             # Writes and deletes need the checkpoint token when the cluster's AgentAccess is Token.
-            credential = checkpoint_credential(state, request.method, parts[1])
-        elif parts[:2] == ["v1", "internal"]:
+            return RouteMatch(
+                _answering_errors(route), checkpoint_credential(state, request.method, parts[1])
+            )
+        if parts[:2] == ["v1", "internal"]:
             route = self._internal_route(request.method, parts[2:])
             if route is None:
                 return None
-            credential = Credential.CLUSTER  # the other agents of the cluster, always
-        else:
-            return None
-        if credential is not None:
-            refusal_response = refusal(state, request, credential)
-            if refusal_response is not None:
-                return refusal_response
-        try:
-            return await route(request)
-        except TierError as exc:
-            return refused(exc)
+            return RouteMatch(_answering_errors(route), Credential.CLUSTER)  # the other agents, always
+        return None
 
     def _public_route(self, method: str, parts: list[str]) -> Route | None:
         tier = self.tier
