@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 from http import HTTPStatus
-from typing import IO, TYPE_CHECKING
+from typing import IO, Protocol
 
 from agents.httpmessages import (
     MAX_HEADER_BYTES,
@@ -19,14 +19,12 @@ from agents.httpmessages import (
     ClientDisconnected,
     DropConnection,
     FileBody,
+    Handler,
     Request,
     Response,
     error_response,
     parse_head,
 )
-
-if TYPE_CHECKING:
-    from agents.httpserver import HttpServer
 
 log = logging.getLogger("agents.http")
 
@@ -39,6 +37,19 @@ _WRITE_SLICE_BYTES = 1024 * 1024  # a larger bytes/memoryview body is written in
 _SENDFILE_SEGMENT_BYTES = 16 * 1024 * 1024  # a FileBody is sent in segments, each within write_timeout_s
 
 
+class Server(Protocol):
+    """What a connection needs of its server (:class:`agents.httpserver.HttpServer`): the handler,
+    the limits, and the set of open connections it adds itself to."""
+
+    handler: Handler
+    connections: set[Connection]
+    idle_timeout_s: float
+    read_timeout_s: float
+    write_timeout_s: float
+    body_deadline_base_s: float
+    body_min_rate_bytes_per_s: float
+
+
 class Connection(asyncio.BufferedProtocol):
     """One client connection: the protocol the event loop feeds, and the task that serves it.
 
@@ -48,7 +59,7 @@ class Connection(asyncio.BufferedProtocol):
     Reading pauses when that buffer is full, and resumes when something is consumed.
     """
 
-    def __init__(self, server: HttpServer) -> None:
+    def __init__(self, server: Server) -> None:
         self._server = server
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
@@ -80,7 +91,7 @@ class Connection(asyncio.BufferedProtocol):
         # Each slice of a large body is written when the previous one has left entirely, so the
         # transport's send() takes it from the caller's buffer and never copies a whole slice.
         transport.set_write_buffer_limits(high=0)
-        self._server._connections.add(self)
+        self._server.connections.add(self)
         self.task = self._loop.create_task(self._serve())
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -296,7 +307,7 @@ class Connection(asyncio.BufferedProtocol):
                     failure = error_response(500, "InternalError", "the agent failed on this request")
                     await self._send(failure, keep_alive=False)
         finally:
-            self._server._connections.discard(self)
+            self._server.connections.discard(self)
             if transport.get_write_buffer_size():
                 transport.abort()
             else:
@@ -307,7 +318,7 @@ class Connection(asyncio.BufferedProtocol):
     async def _answer(self, request: Request) -> bool:
         """Run the handler and send its response; whether the connection can serve another request."""
         try:
-            response = await self._server._handler(request)
+            response = await self._server.handler(request)
         except DropConnection as exc:
             log.info("%s %s: connection closed unanswered: %s", request.method, request.path, exc)
             return False

@@ -94,7 +94,7 @@ class HttpServer:
         reserved for it) for longer. Past it, reading raises :class:`BodyDeadlineExceeded`: 408."""
         if body_deadline_base_s <= 0 or body_min_rate_bytes_per_s <= 0:
             raise ValueError("the body deadline's base and minimum rate must be positive")
-        self._handler = handler
+        self.handler = handler
         self._sock = sock
         self.idle_timeout_s = idle_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -102,7 +102,7 @@ class HttpServer:
         self.body_deadline_base_s = body_deadline_base_s
         self.body_min_rate_bytes_per_s = body_min_rate_bytes_per_s
         self._server: asyncio.Server | None = None
-        self._connections: set[Connection] = set()
+        self.connections: set[Connection] = set()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -112,7 +112,7 @@ class HttpServer:
         """Stop accepting, then close every open connection (a handler in progress is cancelled)."""
         if self._server is not None:
             self._server.close()
-        tasks = [conn.task for conn in self._connections if conn.task is not None]
+        tasks = [conn.task for conn in self.connections if conn.task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

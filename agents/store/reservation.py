@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from stat import S_ISREG
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from agents.store.files import hash_fd, preallocate
 from agents.store.keys import (
@@ -20,8 +20,21 @@ from agents.store.keys import (
     normalized_checksum,
 )
 
-if TYPE_CHECKING:
-    from agents.store.shardstore import ShardStore
+
+class ReservationOwner(Protocol):
+    """What a reservation needs of its store (:class:`agents.store.ShardStore`), which does the
+    bookkeeping under its lock."""
+
+    def _publish(self, reservation: Reservation, *, checksum: str, replica_of: str | None) -> ShardInfo: ...
+
+    def _release(self, reservation: Reservation) -> None: ...
+
+    def _shrink(self, reservation: Reservation, size: int) -> None: ...
+
+    def _count_checksum_failure(self) -> None: ...
+
+    def _real_shard_dir(self, key: ShardKey) -> Path: ...
+
 
 ReservationState = Literal["open", "committed", "aborted"]
 
@@ -37,7 +50,7 @@ class Reservation:
     """
 
     def __init__(
-        self, *, store: ShardStore, key: ShardKey, size: int, temp_path: Path, buffer_id: str
+        self, *, store: ReservationOwner, key: ShardKey, size: int, temp_path: Path, buffer_id: str
     ) -> None:
         self._store = store
         self._key = key
