@@ -89,6 +89,7 @@ from urllib.parse import quote, unquote
 import xxhash
 
 from agents.numbers import echo
+from contracts.shards import DIGEST_BYTES, checksum_of
 
 StepId = tuple[str, int]  # (namespace, step)
 ProtectFn = Callable[[], AbstractSet[StepId]]
@@ -98,7 +99,6 @@ META_SUFFIX = ".meta"
 TEMP_SUFFIX = ".tmp"
 META_VERSION = 1
 MAX_NAME_BYTES = 255
-DIGEST_BYTES = 16
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 _READ_CHUNK = 1 << 20  # commit_written hashes a trainer's file in pieces of this size
@@ -175,11 +175,6 @@ class ReservationCancelled(Exception):
             f"rank {key.rank} step {key.step} of namespace {key.namespace!r} was being written when its "
             "namespace was deleted or the store cleared; nothing was stored"
         )
-
-
-def checksum_of(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
-    """base64 of the 16-byte xxh3_128 digest of ``data`` (the Shard-Meta checksum)."""
-    return base64.b64encode(xxhash.xxh3_128_digest(data)).decode("ascii")
 
 
 def _normalized_checksum(checksum: str) -> str:

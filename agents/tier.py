@@ -21,8 +21,6 @@ How the cluster-wide view works (docs/memory-tier.md):
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import json
 import logging
@@ -51,12 +49,13 @@ from agents.store import (
     ShardStore,
     UnusableShardFile,
     check_namespace,
-    checksum_of,
 )
+from contracts.policy import NodePolicy
+from contracts.shards import SHARD_META, TIER_HEADER, ShardMetaError, checksum_of, shard_meta
+from contracts.shards import parse_shard_meta as parse_checksum_header
 
 log = logging.getLogger(__name__)
 
-ALGORITHM = "xxh3_128"
 # How long a replica keeps being retried (a replacement node takes seconds to register).
 REPLICA_RETRY_S = 120.0
 OCTETS = "application/octet-stream"
@@ -107,29 +106,12 @@ def tier_of(info: ShardInfo) -> str:
     return "memory" if info.replica_of is None else "replica"
 
 
-def shard_meta(checksum: str) -> str:
-    return json.dumps({"checksum": checksum, "algorithm": ALGORITHM})
-
-
 def parse_shard_meta(header: str | None) -> str:
     """The base64 xxh3_128 checksum of a ``Shard-Meta`` header; a TierError if it is not usable."""
-    if not header:
-        raise TierError(400, "MissingShardMeta", "the Shard-Meta header (checksum of the shard) is required")
     try:
-        meta = json.loads(header)
-        if not isinstance(meta, dict):
-            raise ValueError("not a JSON object")
-        checksum = meta["checksum"]
-        algorithm = meta.get("algorithm", ALGORITHM)
-        if len(base64.b64decode(checksum, validate=True)) != 16:
-            raise ValueError("not a 16-byte digest")
-    except (ValueError, KeyError, TypeError, RecursionError, binascii.Error) as exc:
-        raise TierError(
-            400, "InvalidShardMeta", f"the Shard-Meta header is not usable: {str(exc)[:200]}"
-        ) from exc
-    if algorithm != ALGORITHM:
-        raise TierError(400, "UnsupportedAlgorithm", f"checksum algorithm {algorithm!r}; only {ALGORITHM}")
-    return str(checksum)
+        return parse_checksum_header(header)
+    except ShardMetaError as exc:
+        raise TierError(400, exc.error, str(exc)) from exc
 
 
 def parse_key(name: str, rank: str, step: str) -> ShardKey:
@@ -443,7 +425,7 @@ class MemoryTier:
 
     async def _receive(self, key: ShardKey, request: Request, *, replica_of: str | None) -> ShardInfo:
         """Stream a request body into shared memory; verify it; commit it. Nothing is stored on failure."""
-        checksum = parse_shard_meta(request.headers.get("shard-meta"))
+        checksum = parse_shard_meta(request.headers.get(SHARD_META.lower()))
         size = request.content_length
         if size is None:
             raise TierError(411, "LengthRequired", "a shard upload needs a Content-Length")
@@ -650,8 +632,7 @@ class MemoryTier:
         return json_response(200, {"size": info.size})
 
     def _peer_ids(self) -> list[str]:
-        policy = self.state.policy or {}
-        return [p["node_id"] for p in (policy.get("replication") or {}).get("peers", [])]
+        return self.state.policy.peer_ids if self.state.policy else []
 
     async def _replicate(self, info: ShardInfo, peers: list[str]) -> None:
         """Copy one of this node's shards to its replica peers (verified first: a corrupt copy is
@@ -669,7 +650,7 @@ class MemoryTier:
                 return
             headers = {
                 **self._token_header(),
-                "Shard-Meta": shard_meta(checked.checksum),
+                SHARD_META: shard_meta(checked.checksum),
                 "Content-Length": str(len(view)),
             }
             with view:
@@ -733,7 +714,7 @@ class MemoryTier:
                 status=200,
                 body=data,
                 content_type=OCTETS,
-                headers=(("Shard-Meta", shard_meta(checksum)), ("X-Hpsim-Tier", "s3")),
+                headers=((SHARD_META, shard_meta(checksum)), (TIER_HEADER, "s3")),
             )
         raise TierError(404, "ShardNotFound", f"no good copy of rank {key.rank} step {key.step} of {name!r}")
 
@@ -764,7 +745,7 @@ class MemoryTier:
             status=200,
             content_type=OCTETS,
             body=view,
-            headers=(("Shard-Meta", shard_meta(info.checksum)), ("X-Hpsim-Tier", tier_of(info))),
+            headers=((SHARD_META, shard_meta(info.checksum)), (TIER_HEADER, tier_of(info))),
             on_sent=sent,
         )
 
@@ -777,17 +758,17 @@ class MemoryTier:
                 continue
             if response.status_code != 200:
                 continue
-            checksum = parse_shard_meta(response.headers.get("shard-meta"))
+            checksum = parse_shard_meta(response.headers.get(SHARD_META.lower()))
             if checksum_of(response.content) != checksum:
                 log.error("copy of %s from %s failed its checksum; trying another", key, node_id)
                 continue
             # The owner's own copy on another node is "peer"; a replica anywhere is "replica".
-            tier = "replica" if response.headers.get("x-hpsim-tier") == "replica" else "peer"
+            tier = "replica" if response.headers.get(TIER_HEADER.lower()) == "replica" else "peer"
             return Response(
                 status=200,
                 body=response.content,
                 content_type=OCTETS,
-                headers=(("Shard-Meta", shard_meta(checksum)), ("X-Hpsim-Tier", tier)),
+                headers=((SHARD_META, shard_meta(checksum)), (TIER_HEADER, tier)),
             )
         return None
 
@@ -880,19 +861,19 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ policy changes
 
-    def _on_policy(self, previous: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    def _on_policy(self, previous: NodePolicy | None, current: NodePolicy) -> None:
         """Budget changes evict down; new replica peers get this node's own shards; the S3 tier
         follows the policy's ``s3`` member. Switching tiered storage off (budget 0) first drains
         the newest complete steps to S3, then frees the memory."""
-        was_on = bool(((previous or {}).get("tiered_storage") or {}).get("enabled"))
+        was_on = previous is not None and previous.tiered_storage.enabled
         turned_off = was_on and not self.state.tiered_storage_enabled
         if turned_off and self.s3.target is not None and self.store.shard_count:
             self._spawn(self._drain_then_apply_budget())
         else:
-            self.s3.set_target(current.get("s3"))
-            self.store.set_budget(int(current.get("memory_budget_bytes") or 0))
-        old = {p["node_id"] for p in ((previous or {}).get("replication") or {}).get("peers", [])}
-        new = [p["node_id"] for p in (current.get("replication") or {}).get("peers", [])]
+            self.s3.set_target(current.s3)
+            self.store.set_budget(current.memory_budget_bytes)
+        old = set(previous.peer_ids if previous else [])
+        new = current.peer_ids
         added = [peer for peer in new if peer not in old]
         if previous is None:
             # The first policy since this agent started: shards it found in shared memory may
@@ -909,9 +890,9 @@ class MemoryTier:
     async def _drain_then_apply_budget(self) -> None:
         await self.s3.drain(timeout_s=self.drain_timeout_s, reason="tiered storage switched off")
         # The policy in force now (a newer one may have arrived during the drain).
-        current = self.state.policy or {}
-        self.s3.set_target(current.get("s3"))
-        self.store.set_budget(int(current.get("memory_budget_bytes") or 0))
+        current = self.state.policy
+        self.s3.set_target(current.s3 if current else None)
+        self.store.set_budget(current.memory_budget_bytes if current else 0)
 
     async def _restore_replicas(self, peers: list[str]) -> None:
         """Send this node's own shards to the peers whose index lacks them."""
