@@ -83,7 +83,8 @@ class AgentApp:
         )
 
     async def get_policy(self, request: Request) -> Response:
-        return json_response(200, self._state.policy or {"generation": 0})
+        policy = self._state.policy
+        return json_response(200, policy.document() if policy else {"generation": 0})
 
     async def put_policy(self, request: Request) -> Response:
         """A policy push (the caller's control-plane token is checked already). ``?reset=true``:

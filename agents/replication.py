@@ -15,12 +15,12 @@ from urllib.parse import quote
 
 import httpx
 
-from agents import policyreads
 from agents.clock import Clock
 from agents.cluster import ClusterView
 from agents.retry import Backoff
 from agents.store import CorruptShard, ShardInfo, ShardKey, ShardStore
-from agents.tiermodel import TierCounters, shard_meta
+from agents.tiermodel import TierCounters
+from contracts.shards import SHARD_META, shard_meta
 
 log = logging.getLogger("agents.tier")
 
@@ -48,7 +48,8 @@ class Replicator:
         self.mode = mode
 
     def peer_ids(self) -> list[str]:
-        return policyreads.peer_ids(self._cluster.state.policy)
+        policy = self._cluster.state.policy
+        return policy.peer_ids if policy else []
 
     async def after_save(self, info: ShardInfo) -> None:
         """A trainer's shard was stored here: copy it to the peers (now, or in a task)."""
@@ -85,7 +86,7 @@ class Replicator:
                 return
             headers = {
                 **self._cluster.token_header(),
-                "Shard-Meta": shard_meta(checked.checksum),
+                SHARD_META: shard_meta(checked.checksum),
                 "Content-Length": str(len(view)),
             }
             with view:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import os
 import threading
@@ -39,22 +38,16 @@ from urllib.parse import quote
 
 import httpx
 
-from agents import catalog, policyreads
+from agents import catalog
 from agents.clock import SYSTEM_CLOCK, Clock
 from agents.cluster import ClusterView
 from agents.retry import Backoff
-from agents.s3objects import (
-    MARKER_FORMAT,
-    S3Faults,
-    S3Objects,
-    S3Target,
-    S3Unavailable,
-    ShardObject,
-    step_of_key,
-)
+from agents.s3objects import S3Faults, S3Objects, S3Unavailable
 from agents.state import AgentState
 from agents.store import CorruptShard, ShardKey, ShardStore
 from agents.tiermodel import Namespace, TierError
+from contracts.policy import NodePolicy, S3Policy
+from contracts.s3layout import CommitMarker, S3Target, ShardObject, step_of_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,18 +140,18 @@ class S3Tier:
 
     # ------------------------------------------------------------------ configuration
 
-    def set_target(self, doc: Any) -> None:
+    def set_target(self, s3: S3Policy | None) -> None:
         """Apply a policy's ``s3`` member (None: no S3 persistence)."""
         try:
-            self.target = S3Target.from_policy(doc, endpoint_override=self._endpoint_override)
+            self.target = S3Target.from_policy(s3, endpoint_override=self._endpoint_override)
         except ValueError as exc:
             log.error("S3 persistence is off: %s", exc)
             self.target = None
         if self.target is None:
             self.counters.due.clear()
 
-    def _on_policy(self, previous: policyreads.Policy | None, current: policyreads.Policy) -> None:
-        self.faults.set(policyreads.s3_faults(current))
+    def _on_policy(self, previous: NodePolicy | None, current: NodePolicy) -> None:
+        self.faults.set(current.faults.s3)
 
     @property
     def upload_retries_total(self) -> int:
@@ -341,17 +334,15 @@ class S3Tier:
         if missing:
             detail = "; ".join(errors[:3]) or "no agent holds them"
             raise PersistFailed(f"step {step} of {name!r}: ranks {missing} could not be put on S3 ({detail})")
-        marker = {
-            "format": MARKER_FORMAT,
-            "version": 1,
-            "namespace": name,
-            "step": step,
-            "num_ranks": namespace.num_ranks,
-            "committed_at": self._clock.wall(),
-            "committed_by": self._state.node_id,
-            "shards": [done[rank].doc() for rank in sorted(done)],
-        }
-        await self._run(lambda: objects.put_json(target.bucket, marker_key, marker))
+        marker = CommitMarker(
+            namespace=name,
+            step=step,
+            num_ranks=namespace.num_ranks,
+            committed_at=self._clock.wall(),
+            committed_by=self._state.node_id,
+            shards=tuple(done[rank] for rank in sorted(done)),
+        )
+        await self._run(lambda: objects.put_json(target.bucket, marker_key, marker.doc()))
         self.counters.persisted_steps_total += 1
         self._committed(name, step)
         log.info("step %d of %r is on S3 (%d shards)", step, name, len(done))
@@ -468,7 +459,7 @@ class S3Tier:
         """Keep the newest ``retention`` committed steps (markers go first); delete what uploads
         that died before their marker left behind, below the newest committed step."""
         prefix = target.namespace_prefix(name)
-        marker_prefix = f"{prefix}_committed/"
+        marker_prefix = target.marker_prefix(name)
         keys = list(objects.keys(target.bucket, prefix))
         markers = [k for k in keys if k.startswith(marker_prefix)]
         data = [k for k in keys if not k.startswith(marker_prefix)]
@@ -496,7 +487,7 @@ class S3Tier:
         if target is None:
             return []
         objects = await self._client(target)
-        marker_prefix = f"{target.namespace_prefix(name)}_committed/"
+        marker_prefix = target.marker_prefix(name)
         try:
             keys = await self._run(lambda: list(objects.keys(target.bucket, marker_prefix)))
         except S3Unavailable as exc:
@@ -516,8 +507,7 @@ class S3Tier:
             raw = objects.get(target.bucket, target.marker_key(key.namespace, key.step))
             if raw is None:
                 return None
-            marker = json.loads(raw)
-            shard = next((ShardObject.from_doc(d) for d in marker["shards"] if d["rank"] == key.rank), None)
+            shard = CommitMarker.shard_of(raw, key.rank)
             if shard is None:
                 return None
             data = objects.get_verified(target.bucket, shard)
@@ -525,7 +515,7 @@ class S3Tier:
 
         try:
             found = await self._run(read)
-        except (S3Unavailable, ValueError, KeyError) as exc:
+        except (S3Unavailable, ValueError, KeyError, TypeError) as exc:
             log.warning("S3 read of %s failed: %s", key, exc)
             return None
         if found is not None:

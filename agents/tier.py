@@ -31,7 +31,7 @@ from urllib.parse import quote
 
 import httpx
 
-from agents import catalog, policyreads
+from agents import catalog
 from agents.clock import SYSTEM_CLOCK, Clock
 from agents.cluster import ClusterView
 from agents.control_plane import ControlPlaneClient
@@ -49,7 +49,6 @@ from agents.store import (
     ShardKey,
     ShardStore,
     UnusableShardFile,
-    checksum_of,
 )
 from agents.tiermodel import (
     MAX_NODE_ID_CHARS,
@@ -63,6 +62,8 @@ from agents.tiermodel import (
     parse_shard_meta,
     tier_of,
 )
+from contracts.policy import NodePolicy
+from contracts.shards import SHARD_META, TIER_HEADER, checksum_of
 
 log = logging.getLogger(__name__)
 
@@ -400,12 +401,12 @@ class MemoryTier:
                 continue
             if response.status_code != 200:
                 continue
-            checksum = parse_shard_meta(response.headers.get("shard-meta"))
+            checksum = parse_shard_meta(response.headers.get(SHARD_META.lower()))
             if checksum_of(response.content) != checksum:
                 log.error("copy of %s from %s failed its checksum; trying another", key, node_id)
                 continue
             # The owner's own copy on another node is "peer"; a replica anywhere is "replica".
-            tier = "replica" if response.headers.get("x-hpsim-tier") == "replica" else "peer"
+            tier = "replica" if response.headers.get(TIER_HEADER.lower()) == "replica" else "peer"
             return ShardCopy(body=response.content, checksum=checksum, tier=tier)
         return None
 
@@ -471,18 +472,18 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ policy changes
 
-    def _on_policy(self, previous: policyreads.Policy | None, current: policyreads.Policy) -> None:
+    def _on_policy(self, previous: NodePolicy | None, current: NodePolicy) -> None:
         """Budget changes evict down; new replica peers get this node's own shards; the S3 tier
         follows the policy's ``s3`` member. Switching tiered storage off (budget 0) first drains
         the newest complete steps to S3, then frees the memory."""
-        was_on = policyreads.tiered_storage_on(previous)
+        was_on = previous is not None and previous.tiered_storage.enabled
         turned_off = was_on and not self.state.tiered_storage_enabled
         if turned_off and self.s3.target is not None and self.store.shard_count:
             self._spawn(self._drain_then_apply_budget())
         else:
             self._apply_targets(current)
-        old = set(policyreads.peer_ids(previous))
-        new = policyreads.peer_ids(current)
+        old = set(previous.peer_ids if previous else [])
+        new = current.peer_ids
         added = [peer for peer in new if peer not in old]
         if previous is None:
             # The first policy since this agent started: shards it found in shared memory may
@@ -492,9 +493,9 @@ class MemoryTier:
         elif added:
             self.replicas.to_new_peers(added)
 
-    def _apply_targets(self, policy: policyreads.Policy | None) -> None:
-        self.s3.set_target(policyreads.s3_member(policy))
-        self.store.set_budget(policyreads.memory_budget_bytes(policy))
+    def _apply_targets(self, policy: NodePolicy | None) -> None:
+        self.s3.set_target(policy.s3 if policy else None)
+        self.store.set_budget(policy.memory_budget_bytes if policy else 0)
 
     async def _drain_then_apply_budget(self) -> None:
         await self.s3.drain(timeout_s=self.drain_timeout_s, reason="tiered storage switched off")

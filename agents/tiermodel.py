@@ -1,5 +1,6 @@
 """What the memory tier's parts share: a namespace, the tier's error, its counters, a copy of a shard
-to send, and the checks of the names a request carries (a namespace, a shard key, ``Shard-Meta``).
+to send, and the checks of what a request carries (a namespace, a shard key, ``Shard-Meta``, whose
+format is :mod:`contracts.shards`').
 
 Nothing here builds an HTTP response: :mod:`agents.tierroutes` turns a :class:`TierError` and the
 tier's results into responses.
@@ -7,17 +8,15 @@ tier's results into responses.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agents.numbers import canonical_int
 from agents.store import ShardInfo, ShardKey, check_namespace
+from contracts.shards import ShardMetaError
+from contracts.shards import parse_shard_meta as parse_checksum_header
 
-ALGORITHM = "xxh3_128"
 MAX_NODE_ID_CHARS = 128  # a replica's ``owner`` (a node id; stored in the shard's sidecar)
 
 
@@ -80,29 +79,12 @@ def tier_of(info: ShardInfo) -> str:
     return "memory" if info.replica_of is None else "replica"
 
 
-def shard_meta(checksum: str) -> str:
-    return json.dumps({"checksum": checksum, "algorithm": ALGORITHM})
-
-
 def parse_shard_meta(header: str | None) -> str:
-    """The base64 xxh3_128 checksum of a ``Shard-Meta`` header; a TierError if it is not usable."""
-    if not header:
-        raise TierError(400, "MissingShardMeta", "the Shard-Meta header (checksum of the shard) is required")
+    """The base64 xxh3_128 checksum of a ``Shard-Meta`` header; a TierError 400 if it is not usable."""
     try:
-        meta = json.loads(header)
-        if not isinstance(meta, dict):
-            raise ValueError("not a JSON object")
-        checksum = meta["checksum"]
-        algorithm = meta.get("algorithm", ALGORITHM)
-        if len(base64.b64decode(checksum, validate=True)) != 16:
-            raise ValueError("not a 16-byte digest")
-    except (ValueError, KeyError, TypeError, RecursionError, binascii.Error) as exc:
-        raise TierError(
-            400, "InvalidShardMeta", f"the Shard-Meta header is not usable: {str(exc)[:200]}"
-        ) from exc
-    if algorithm != ALGORITHM:
-        raise TierError(400, "UnsupportedAlgorithm", f"checksum algorithm {algorithm!r}; only {ALGORITHM}")
-    return str(checksum)
+        return parse_checksum_header(header)
+    except ShardMetaError as exc:
+        raise TierError(400, exc.error, str(exc)) from exc
 
 
 def parse_key(name: str, rank: str, step: str) -> ShardKey:

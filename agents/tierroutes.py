@@ -21,7 +21,8 @@ from agents.httpserver import Request, Response, error_response, json_response
 from agents.numbers import canonical_int
 from agents.state import Credential
 from agents.tier import MemoryTier
-from agents.tiermodel import ShardCopy, TierError, checked_namespace, parse_shard_meta, shard_meta
+from agents.tiermodel import ShardCopy, TierError, checked_namespace, parse_shard_meta
+from contracts.shards import SHARD_META, TIER_HEADER, shard_meta
 
 OCTETS = "application/octet-stream"
 
@@ -49,7 +50,7 @@ class BodyUpload:
         self._request = request
 
     def checksum(self) -> str:
-        return parse_shard_meta(self._request.headers.get("shard-meta"))
+        return parse_shard_meta(self._request.headers.get(SHARD_META.lower()))
 
     def size(self) -> int:
         size = self._request.content_length
@@ -68,7 +69,7 @@ def respond(answer: Answer, *, status: int = 200) -> Response:
             status=200,
             body=answer.body,
             content_type=OCTETS,
-            headers=(("Shard-Meta", shard_meta(answer.checksum)), ("X-Hpsim-Tier", answer.tier)),
+            headers=((SHARD_META, shard_meta(answer.checksum)), (TIER_HEADER, answer.tier)),
             on_sent=answer.on_sent,
         )
     return json_response(status, answer)

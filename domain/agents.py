@@ -284,7 +284,7 @@ class AgentService:
             members,
             memory_scale=self.config.memory_scale,
             s3_endpoint=self.config.s3_endpoint,
-        )
+        ).document()
 
     # ------------------------------------------------------------------ calls
 

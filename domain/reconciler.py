@@ -20,7 +20,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
 from urllib.parse import urlsplit
 
 from sqlalchemy import delete, or_, select
@@ -28,6 +27,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
 from agents.partition import CONTROL_PLANE_AGENT
+from contracts.policy import NodePolicy
 from domain import credentials, events, faults
 from domain.checkpoint_policy import S3Endpoint
 from domain.clock import Clock, Ids
@@ -71,7 +71,7 @@ class Push:
     node_id: str
     endpoint: str
     token: str  # the node's control-plane token: only this control plane and that agent know it
-    policy: dict[str, Any]
+    policy: NodePolicy
 
 
 @dataclass(frozen=True)
@@ -691,7 +691,7 @@ class Reconciler:
             connection.request(
                 "PUT",
                 "/v1/policy?reset=true" if reset else "/v1/policy",
-                body=json.dumps(push.policy).encode(),
+                body=json.dumps(push.policy.document()).encode(),
                 headers={
                     "Authorization": f"Bearer {push.token}",
                     "Content-Type": "application/json",
@@ -707,7 +707,7 @@ class Reconciler:
         """Push a node's policy; with ``reset``, one the agent takes even though it is older than
         the one it has (the control plane's token is the authority). Never raises: whatever goes
         wrong (a connect error, an endpoint it cannot even parse) is this node's error only."""
-        generation = int(push.policy["generation"])
+        generation = push.policy.generation
         try:
             status, text = self._put_policy(push, reset=reset)
         except Exception as exc:

@@ -775,12 +775,10 @@ def _read_s3(config: TieredCheckpointConfig, rank: int, step: int) -> bytes | No
     """A shard straight from S3 (endpoint and credentials from the boto3 chain), checked against
     the step's commit marker; None if there is none (or it does not match), an exception if S3
     cannot be read."""
-    import json
+    from agents.s3objects import S3Objects
+    from contracts.s3layout import CommitMarker, S3Target
 
-    from agents.s3objects import S3Objects, S3Target, ShardObject
-
-    target = S3Target.from_policy({"base_uri": config.s3_tier_base_path})
-    assert target is not None
+    target = S3Target.from_uri(config.s3_tier_base_path)
     objects = S3Objects(
         endpoint_url=os.environ.get("AWS_ENDPOINT_URL"),
         region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
@@ -789,8 +787,8 @@ def _read_s3(config: TieredCheckpointConfig, rank: int, step: int) -> bytes | No
         raw = objects.get(target.bucket, target.marker_key(config.namespace, step))
         if raw is None:
             return None
-        shard = next((d for d in json.loads(raw)["shards"] if d["rank"] == rank), None)
-        return None if shard is None else objects.get_verified(target.bucket, ShardObject.from_doc(shard))
+        shard = CommitMarker.shard_of(raw, rank)
+        return None if shard is None else objects.get_verified(target.bucket, shard)
     finally:
         objects.close()
 

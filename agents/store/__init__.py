@@ -69,7 +69,6 @@ from __future__ import annotations
 from agents.store.base import SpareInfo
 from agents.store.files import DATA_SUFFIX, DIR_MODE, FILE_MODE, META_SUFFIX, META_VERSION, TEMP_SUFFIX
 from agents.store.keys import (
-    DIGEST_BYTES,
     MAX_NAME_BYTES,
     BudgetExceeded,
     CorruptShard,
@@ -81,10 +80,10 @@ from agents.store.keys import (
     StoreCounters,
     UnusableShardFile,
     check_namespace,
-    checksum_of,
 )
 from agents.store.reservation import Reservation
 from agents.store.shardstore import ShardStore
+from contracts.shards import DIGEST_BYTES, checksum_of
 
 __all__ = [
     "DATA_SUFFIX",

@@ -1,26 +1,24 @@
 """What the shard store stores and says: the key and info of a shard, its counters, its errors, the
-checksum, and the rule for a namespace's name. See :mod:`agents.store`."""
+checksum's canonical form (the checksum itself is :mod:`contracts.shards`'), and the rule for a
+namespace's name. See :mod:`agents.store`."""
 
 from __future__ import annotations
 
 import base64
 import binascii
-import mmap
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-import xxhash
-
 from agents.numbers import echo
+from contracts.shards import DIGEST_BYTES
 
 StepId = tuple[str, int]  # (namespace, step)
 ProtectFn = Callable[[], AbstractSet[StepId]]
 
 MAX_NAME_BYTES = 255
-DIGEST_BYTES = 16
 
 
 def nothing_protected() -> AbstractSet[StepId]:
@@ -94,11 +92,6 @@ class ReservationCancelled(Exception):
             f"rank {key.rank} step {key.step} of namespace {key.namespace!r} was being written when its "
             "namespace was deleted or the store cleared; nothing was stored"
         )
-
-
-def checksum_of(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
-    """base64 of the 16-byte xxh3_128 digest of ``data`` (the Shard-Meta checksum)."""
-    return base64.b64encode(xxhash.xxh3_128_digest(data)).decode("ascii")
 
 
 def normalized_checksum(checksum: str) -> str:

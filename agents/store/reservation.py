@@ -16,9 +16,9 @@ from agents.store.keys import (
     ShardInfo,
     ShardKey,
     UnusableShardFile,
-    checksum_of,
     normalized_checksum,
 )
+from contracts.shards import checksum_of
 
 
 class ReservationOwner(Protocol):

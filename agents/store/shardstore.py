@@ -38,12 +38,12 @@ from agents.store.keys import (
     StepId,
     StoreCounters,
     check_key,
-    checksum_of,
     nothing_protected,
 )
 from agents.store.recovery import StoreRecovery
 from agents.store.reservation import Reservation, ReservationState
 from agents.store.spares import SpareRotation
+from contracts.shards import checksum_of
 
 
 class ShardStore(SpareRotation, StoreRecovery):
