@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import httpx
 
+from agents import catalog
 from agents.clock import Clock
 from agents.cluster import ClusterView
 from agents.retry import Backoff
@@ -145,9 +146,8 @@ class Replicator:
                     continue
                 if response.status_code != 200:
                     continue
-                held = {
-                    (int(step), rank) for step, ranks in response.json()["steps"].items() for rank in ranks
-                }
+                index = catalog.steps_of(response.json())
+                held = {(step, rank) for step, ranks in index.items() for rank in ranks}
                 for info in own:
                     if info.key.namespace == name and (info.key.step, info.key.rank) not in held:
                         self._counters.replication_pending.setdefault(info.key, self._clock.wall())
