@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import IO, Any
 
+from agents.retry import Backoff
 from contracts.policy import S3Fault
 from contracts.s3layout import CHECKSUM_META, ShardObject, step_of_key
 from contracts.shards import checksum_of
@@ -151,10 +152,11 @@ class S3Objects:
         from botocore.exceptions import BotoCoreError, ClientError
 
         last: Exception | None = None
+        backoff = Backoff(initial_s=1.0, max_s=8.0, jitter=False)  # 1 s, then 2 s
         for attempt in range(UPLOAD_ATTEMPTS):
             if attempt:
                 self.retries_total += 1
-                time.sleep(min(0.5 * 2**attempt, 8.0))
+                time.sleep(backoff.next_delay())
             try:
                 # Each attempt reads its own duplicate of the file: s3transfer closes the file
                 # object it was given when an upload fails, and the next attempt must start over.
