@@ -89,6 +89,7 @@ from urllib.parse import quote, unquote
 import xxhash
 
 from agents.numbers import echo
+from contracts.limits import MAX_NAME_BYTES
 from contracts.shards import DIGEST_BYTES, checksum_of
 
 StepId = tuple[str, int]  # (namespace, step)
@@ -98,7 +99,6 @@ DATA_SUFFIX = ".shard"
 META_SUFFIX = ".meta"
 TEMP_SUFFIX = ".tmp"
 META_VERSION = 1
-MAX_NAME_BYTES = 255
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 _READ_CHUNK = 1 << 20  # commit_written hashes a trainer's file in pieces of this size
