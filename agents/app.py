@@ -12,6 +12,7 @@ from agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier
 from agents.partition import Partition
 from agents.state import AgentState, ApplyStatus, Credential
 from agents.tier import MemoryTier
+from contracts.agent_api import POLICY_PATH
 
 
 class AgentApp:
@@ -23,7 +24,7 @@ class AgentApp:
         self._partition = partition
         self._routes: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {
             "/health": {"GET": self.health},
-            "/v1/policy": {"GET": self.get_policy, "PUT": self.put_policy},
+            POLICY_PATH: {"GET": self.get_policy, "PUT": self.put_policy},
             "/metrics": {"GET": self.metrics},
         }
 
