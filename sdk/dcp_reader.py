@@ -7,7 +7,6 @@ DCP calls it in the order ``torch/distributed/checkpoint/storage.py`` documents:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import os
@@ -16,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import xxhash
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -29,7 +27,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from contracts.shards import checksum_of
+from contracts.shards import Checksum, checksum_of
 from sdk import metadata as codec
 from sdk.agent import AgentError
 from sdk.checkpoint_config import CheckpointNotFound, IntegrityError, TieredCheckpointConfig, step_of
@@ -282,7 +280,7 @@ def _verified_records(data: Any, spans: list[tuple[int, int]], expected: str) ->
             merged[-1][1] = max(merged[-1][1], offset + length)
         else:
             merged.append([offset, offset + length])
-    digest = xxhash.xxh3_128()
+    digest = Checksum()
     copies: list[tuple[int, bytes]] = []
     position = 0
     for start, stop in merged:
@@ -292,7 +290,7 @@ def _verified_records(data: Any, spans: list[tuple[int, int]], expected: str) ->
         copies.append((start, copy))
         position = stop
     digest.update(view[position:])
-    if base64.b64encode(digest.digest()).decode("ascii") != expected:
+    if digest.text() != expected:
         raise IntegrityError("checksum mismatch")
     records: dict[tuple[int, int], bytes] = {}
     for offset, length in spans:

@@ -14,7 +14,7 @@ import xxhash
 from contracts.agent_api import HEARTBEAT_ROUTE, agent_api_path
 from contracts.policy import NodePolicy, PolicyError, S3Policy, parse_policy
 from contracts.s3layout import CommitMarker, S3Target, ShardObject, step_of_key
-from contracts.shards import ShardMetaError, checksum_of, parse_shard_meta, shard_meta
+from contracts.shards import Checksum, ShardMetaError, checksum_of, parse_shard_meta, shard_meta
 
 SHA = "ab" * 32
 
@@ -64,6 +64,10 @@ def test_shard_meta_round_trip_and_its_refusals() -> None:
     data = b"shard bytes"
     assert checksum_of(data) == base64.b64encode(xxhash.xxh3_128_digest(data)).decode()
     assert parse_shard_meta(shard_meta(checksum_of(data))) == checksum_of(data)
+    pieces = Checksum()
+    for piece in (data[:5], memoryview(data)[5:]):
+        pieces.update(piece)
+    assert pieces.text() == checksum_of(data)
     for header, error in [
         (None, "MissingShardMeta"),
         ("[1]", "InvalidShardMeta"),
