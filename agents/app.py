@@ -8,10 +8,11 @@ from urllib.parse import parse_qs
 from agents.access import refusal
 from agents.httpserver import DropConnection, Request, Response, error_response, json_response
 from agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier_metrics
-from agents.partition import Partition
 from agents.state import AgentState, ApplyStatus, Credential
 from agents.tier import MemoryTier
 from agents.tierroutes import RouteMatch, TierRoutes
+from contracts.agent_api import POLICY_PATH
+from contracts.partition import Partition
 
 
 class AgentApp:
@@ -28,7 +29,7 @@ class AgentApp:
         self._partition = partition
         self._routes: dict[str, dict[str, RouteMatch]] = {
             "/health": {"GET": RouteMatch(self.health, None)},
-            "/v1/policy": {
+            POLICY_PATH: {
                 "GET": RouteMatch(self.get_policy, None),
                 # A policy push: only from the control plane, with this node's control-plane token.
                 "PUT": RouteMatch(self.put_policy, Credential.CONTROL_PLANE),

@@ -23,11 +23,11 @@ from agents.config import AgentSettings
 from agents.control_plane import ControlPlaneClient
 from agents.httpserver import HttpServer
 from agents.loop import AgentLoop, Identity, LoopOutcome
-from agents.partition import Partition
 from agents.retry import Backoff
 from agents.state import AgentState
 from agents.store import ShardStore
 from agents.tier import MemoryTier
+from contracts.partition import Partition
 
 log = logging.getLogger("agents")
 

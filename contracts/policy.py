@@ -64,8 +64,8 @@ class S3Policy(_Member):
 class S3Fault(_Member):
     """An injected S3 fault the agent applies to its own S3 requests (domain/faults.py)."""
 
-    type: StrictStr
     fault_id: StrictStr | None = None
+    type: StrictStr
     latency_ms: Number | None = None
     error_rate: Number | None = None
     error_kind: StrictStr | None = None

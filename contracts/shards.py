@@ -28,6 +28,19 @@ def checksum_of(data: Bytes) -> str:
     return base64.b64encode(xxhash.xxh3_128_digest(data)).decode("ascii")
 
 
+class Checksum:
+    """``checksum_of`` of bytes that come in pieces: ``update`` each, then ``text()``."""
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_128()
+
+    def update(self, data: Bytes) -> None:
+        self._hasher.update(data)
+
+    def text(self) -> str:
+        return base64.b64encode(self._hasher.digest()).decode("ascii")
+
+
 def shard_meta(checksum: str) -> str:
     """The ``Shard-Meta`` header of a shard with this checksum."""
     return json.dumps({"checksum": checksum, "algorithm": ALGORITHM})

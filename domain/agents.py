@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, selectinload
 
+from contracts.limits import MAX_ENDPOINT, MAX_EVENT_MESSAGE, MAX_RANKS, MAX_S3_STATUS_BYTES
 from domain import credentials, events
 from domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
 from domain.clock import Clock, Ids
@@ -32,10 +33,6 @@ from domain.policy import build_policy, ring
 from models import CheckpointNamespace, Cluster, Database, Node
 
 LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
-MAX_RANKS = 1_000_000
-# The heartbeat's `s3` member is stored with the node on every heartbeat: keep it small.
-MAX_S3_STATUS_BYTES = 8 * 1024
-MAX_EVENT_MESSAGE = 2048
 # Members of the heartbeat's `s3` object, by the JSON type each must have; others are ignored
 # (a newer agent may report more than this control plane shows).
 S3_STATUS_COUNTERS = ("pending_steps", "persisted_steps_total", "failures_total")
@@ -89,7 +86,6 @@ def check_s3_status(status: object) -> dict[str, Any] | None:
     return {member: status[member] for member in known if member in status}
 
 
-MAX_ENDPOINT = 256  # the column's size
 _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$"
 )

@@ -15,13 +15,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from agents.partition import CONTROL_PLANE_AGENT
+from contracts.agent_api import CONTROL_PLANE_AGENT, INTERNAL_INDEX_ROUTE, INTERNAL_S3_STEPS_ROUTE, agent_path
 from domain.checkpoint_policy import CheckpointPolicy
 from domain.errors import ResourceNotFound
 from domain.lifecycle import NodeStatus
@@ -209,7 +208,7 @@ class CheckpointCatalog:
         for namespace in namespaces:
             try:
                 response = self._http.get(
-                    f"{endpoint}/v1/internal/index/{quote(namespace.name, safe='')}", headers=headers
+                    endpoint + agent_path(INTERNAL_INDEX_ROUTE, namespace=namespace.name), headers=headers
                 )
                 if response.status_code != 200:
                     return None
@@ -226,7 +225,7 @@ class CheckpointCatalog:
         for endpoint in endpoints:
             try:
                 response = self._http.get(
-                    f"{endpoint}/v1/internal/s3-steps/{quote(name, safe='')}",
+                    endpoint + agent_path(INTERNAL_S3_STEPS_ROUTE, namespace=name),
                     headers=headers,
                     timeout=timeout,
                 )

@@ -26,7 +26,7 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from agents.partition import CONTROL_PLANE_AGENT
+from contracts.agent_api import CONTROL_PLANE_AGENT, POLICY_PATH
 from contracts.policy import NodePolicy
 from domain import credentials, events, faults
 from domain.checkpoint_policy import S3Endpoint
@@ -690,7 +690,7 @@ class Reconciler:
         try:
             connection.request(
                 "PUT",
-                "/v1/policy?reset=true" if reset else "/v1/policy",
+                f"{POLICY_PATH}?reset=true" if reset else POLICY_PATH,
                 body=json.dumps(push.policy.document()).encode(),
                 headers={
                     "Authorization": f"Bearer {push.token}",

@@ -69,7 +69,6 @@ from __future__ import annotations
 from agents.store.base import SpareInfo
 from agents.store.files import DATA_SUFFIX, DIR_MODE, FILE_MODE, META_SUFFIX, META_VERSION, TEMP_SUFFIX
 from agents.store.keys import (
-    MAX_NAME_BYTES,
     BudgetExceeded,
     CorruptShard,
     ProtectFn,
@@ -83,6 +82,7 @@ from agents.store.keys import (
 )
 from agents.store.reservation import Reservation
 from agents.store.shardstore import ShardStore
+from contracts.limits import MAX_NAME_BYTES
 from contracts.shards import DIGEST_BYTES, checksum_of
 
 __all__ = [

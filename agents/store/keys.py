@@ -13,12 +13,11 @@ from pathlib import Path
 from urllib.parse import quote, unquote
 
 from agents.numbers import echo
+from contracts.limits import MAX_NAME_BYTES
 from contracts.shards import DIGEST_BYTES
 
 StepId = tuple[str, int]  # (namespace, step)
 ProtectFn = Callable[[], AbstractSet[StepId]]
-
-MAX_NAME_BYTES = 255
 
 
 def nothing_protected() -> AbstractSet[StepId]:
