@@ -19,7 +19,7 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from agents.partition import CONTROL_PLANE_AGENT
+from contracts.agent_api import CONTROL_PLANE_AGENT
 from domain.checkpoint_policy import CheckpointPolicy
 from domain.checkpoints import NamespaceCheckpoints
 from domain.errors import ResourceNotFound

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from agents import partition
+from contracts import partition
 from domain import credentials
 from domain.provisioning import ExternalProvisioner, Provisioner, SimulatedProvisioner
 from infra.processes import Pidfile, agent_processes, signal_group, spawn, start_time, wipe_shared_memory

@@ -21,8 +21,8 @@ from agents.store import (
     ShardInfo,
     ShardKey,
     ShardStore,
-    checksum_of,
 )
+from contracts.shards import checksum_of
 
 MiB = 1 << 20
 
