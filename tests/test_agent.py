@@ -503,9 +503,7 @@ def test_agent_exits_0_on_a_signal(
 def test_apply_policy_outcomes_and_listeners() -> None:
     seen: list[tuple[int | None, int]] = []
     state = AgentState(cluster=CLUSTER, node_id=NODE)
-    state.listeners.append(
-        lambda old, new: seen.append((old["generation"] if old else None, new["generation"]))
-    )
+    state.listeners.append(lambda old, new: seen.append((old.generation if old else None, new.generation)))
 
     assert state.apply_policy(policy(2, NODE)).status is ApplyStatus.APPLIED
     assert state.apply_policy(policy(2, NODE)).status is ApplyStatus.UNCHANGED

@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from hyperpod_sim.agents.store import ShardKey, ShardStore, checksum_of
+from hyperpod_sim.agents.store import ShardKey, ShardStore
+from hyperpod_sim.contracts.shards import checksum_of
 from tests.conftest import ControlPlane
 from tests.test_memory_tier import cluster, create_namespace, get, metric, url
 from tests.test_store import StepClock, read

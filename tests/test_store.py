@@ -21,8 +21,8 @@ from hyperpod_sim.agents.store import (
     ShardInfo,
     ShardKey,
     ShardStore,
-    checksum_of,
 )
+from hyperpod_sim.contracts.shards import checksum_of
 
 MiB = 1 << 20
 

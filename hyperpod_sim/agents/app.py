@@ -3,43 +3,64 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qs
 
 from hyperpod_sim.agents.access import refusal
 from hyperpod_sim.agents.httpserver import DropConnection, Request, Response, error_response, json_response
 from hyperpod_sim.agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier_metrics
-from hyperpod_sim.agents.partition import Partition
 from hyperpod_sim.agents.state import AgentState, ApplyStatus, Credential
 from hyperpod_sim.agents.tier import MemoryTier
+from hyperpod_sim.agents.tierroutes import RouteMatch, TierRoutes
+from hyperpod_sim.contracts.agent_api import POLICY_PATH
+from hyperpod_sim.contracts.partition import Partition
 
 
 class AgentApp:
+    """Every route of the agent: the admin API's here, the memory tier's from
+    :class:`agents.tierroutes.TierRoutes`. Who may call a route is checked here, once, for all of
+    them (:func:`agents.access.refusal`): one shape of refusal whatever the route."""
+
     def __init__(
         self, *, state: AgentState, tier: MemoryTier | None = None, partition: Partition | None = None
     ) -> None:
         self._state = state
         self._tier = tier
+        self._tier_routes = TierRoutes(tier) if tier is not None else None
         self._partition = partition
-        self._routes: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {
-            "/health": {"GET": self.health},
-            "/v1/policy": {"GET": self.get_policy, "PUT": self.put_policy},
-            "/metrics": {"GET": self.metrics},
+        self._routes: dict[str, dict[str, RouteMatch]] = {
+            "/health": {"GET": RouteMatch(self.health, None)},
+            POLICY_PATH: {
+                "GET": RouteMatch(self.get_policy, None),
+                # A policy push: only from the control plane, with this node's control-plane token.
+                "PUT": RouteMatch(self.put_policy, Credential.CONTROL_PLANE),
+            },
+            "/metrics": {"GET": RouteMatch(self.metrics, None)},
         }
 
     async def __call__(self, request: Request) -> Response:
         if self._partition is not None and self._partition.blocks(request.headers.get("user-agent", "")):
             # The control plane is cut off (a NetworkPartition): the connection closes unanswered.
             raise DropConnection(f"network partition (fault {self._partition.fault_id})")
-        if self._tier is not None and request.path.startswith("/v1/"):
-            answer = await self._tier.handle(request)
-            if answer is not None:
-                return answer
+        found = self._match(request)
+        if isinstance(found, Response):
+            return found
+        if found.credential is not None:
+            refused = refusal(self._state, request, found.credential)
+            if refused is not None:
+                return refused
+        return await found.handler(request)
+
+    def _match(self, request: Request) -> RouteMatch | Response:
+        """The route of a request, or the answer when there is none (404, 405)."""
+        if self._tier_routes is not None and request.path.startswith("/v1/"):
+            matched = self._tier_routes.match(request)
+            if matched is not None:
+                return matched
         methods = self._routes.get(request.path.rstrip("/") or "/")
         if methods is None:
             return error_response(404, "NotFound", f"no route {request.path}")
-        handler = methods.get(request.method)
-        if handler is None:
+        route = methods.get(request.method)
+        if route is None:
             allowed = ", ".join(methods)
             return error_response(
                 405,
@@ -47,7 +68,7 @@ class AgentApp:
                 f"{request.method} is not allowed on {request.path}; allowed: {allowed}",
                 headers=(("Allow", allowed),),
             )
-        return await handler(request)
+        return route
 
     async def health(self, request: Request) -> Response:
         state = self._state
@@ -63,16 +84,14 @@ class AgentApp:
         )
 
     async def get_policy(self, request: Request) -> Response:
-        return json_response(200, self._state.policy or {"generation": 0})
+        policy = self._state.policy
+        return json_response(200, policy.document() if policy else {"generation": 0})
 
     async def put_policy(self, request: Request) -> Response:
-        """A policy push: only from the control plane, with this node's control-plane token.
-        ``?reset=true``: apply it even if it is older than the one in force (the control plane
-        re-syncs an agent that holds a generation it never issued)."""
+        """A policy push (the caller's control-plane token is checked already). ``?reset=true``:
+        apply it even if it is older than the one in force (the control plane re-syncs an agent
+        that holds a generation it never issued)."""
         state = self._state
-        refused = refusal(state, request, Credential.CONTROL_PLANE)
-        if refused is not None:
-            return refused
         query = parse_qs(request.query)
         reset_values = query.get("reset", ["false"])
         if len(reset_values) != 1 or reset_values[0] not in ("true", "false"):

@@ -15,7 +15,16 @@ from urllib.parse import quote
 
 import httpx
 
-from hyperpod_sim.agents.partition import Partition
+from hyperpod_sim.contracts.agent_api import (
+    AGENT_API_PREFIX,
+    HEARTBEAT_ROUTE,
+    NODE_POLICY_ROUTE,
+    REGISTER_ROUTE,
+    Heartbeat,
+    Registration,
+    agent_api_path,
+)
+from hyperpod_sim.contracts.partition import Partition
 
 
 class Failure(enum.Enum):
@@ -78,10 +87,11 @@ class ControlPlaneClient:
             event_hooks={"request": [self._check_partition]},
         )
         self._partition = partition
-        self._prefix = f"/agent/v1/clusters/{quote(cluster, safe='')}"
+        self._cluster = cluster
+        self._prefix = f"{AGENT_API_PREFIX}/clusters/{quote(cluster, safe='')}"
 
     async def _check_partition(self, request: httpx.Request) -> None:
-        """Behind a NetworkPartition (hyperpod_sim/agents/partition.py) no call leaves this node."""
+        """Behind a NetworkPartition (hyperpod_sim/contracts/partition.py) no call leaves this node."""
         if self._partition is not None and self._partition.active():
             raise httpx.ConnectError(
                 f"network partition (fault {self._partition.fault_id}): the control plane is unreachable",
@@ -109,14 +119,15 @@ class ControlPlaneClient:
         instance_type: str | None,
         memory_bytes: int,
     ) -> Reply:
-        body = {
-            "node_id": node_id,
-            "endpoint": endpoint,
-            "pid": pid,
-            "instance_type": instance_type,
-            "memory_bytes": memory_bytes,
-        }
-        return await self._call("POST", f"{self._prefix}/register", token=token, json_body=body)
+        body = Registration(
+            node_id=node_id,
+            endpoint=endpoint,
+            pid=pid,
+            instance_type=instance_type,
+            memory_bytes=memory_bytes,
+        )
+        path = agent_api_path(REGISTER_ROUTE, cluster=self._cluster)
+        return await self._call("POST", path, token=token, json_body=body.model_dump(mode="json"))
 
     async def heartbeat(
         self,
@@ -130,14 +141,15 @@ class ControlPlaneClient:
     ) -> Reply:
         """``s3_status``: the S3 tier's status (docs/agent-protocol.md), sent as ``s3`` when given;
         a heartbeat without it tells the control plane the node has no S3 tier."""
-        body: dict[str, Any] = {"applied_generation": applied_generation, "endpoint": endpoint, "pid": pid}
-        if s3_status is not None:
-            body["s3"] = s3_status
-        path = f"{self._prefix}/nodes/{quote(node_id, safe='')}/heartbeat"
-        return await self._call("POST", path, token=token, json_body=body)
+        s3 = {"s3": s3_status} if s3_status is not None else {}
+        body = Heartbeat(applied_generation=applied_generation, endpoint=endpoint, pid=pid, **s3)
+        path = agent_api_path(HEARTBEAT_ROUTE, cluster=self._cluster, node_id=node_id)
+        return await self._call(
+            "POST", path, token=token, json_body=body.model_dump(mode="json", exclude_unset=True)
+        )
 
     async def fetch_policy(self, *, token: str, node_id: str) -> Reply:
-        path = f"{self._prefix}/nodes/{quote(node_id, safe='')}/policy"
+        path = agent_api_path(NODE_POLICY_ROUTE, cluster=self._cluster, node_id=node_id)
         return await self._call("GET", path, token=token, json_body=None)
 
     async def request(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from hyperpod_sim.agents.control_plane import ControlPlaneClient, Failure, Reply
+from hyperpod_sim.agents.retry import Backoff as Backoff
 from hyperpod_sim.agents.state import AgentState, ApplyStatus
 
 log = logging.getLogger("hyperpod_sim.agents.loop")
@@ -31,25 +31,6 @@ StatusProvider = Callable[[], dict[str, Any] | None]
 
 class LoopOutcome(enum.Enum):
     NODE_DELETED = "node_deleted"
-
-
-class Backoff:
-    """Capped exponential backoff with jitter (each delay drawn in [delay/2, delay]), so that many
-    agents retrying against a restarted control plane spread out."""
-
-    def __init__(self, *, initial_s: float, max_s: float, rng: random.Random | None = None) -> None:
-        self._initial_s = initial_s
-        self._max_s = max_s
-        self._rng = rng or random.Random()
-        self._next_s = initial_s
-
-    def reset(self) -> None:
-        self._next_s = self._initial_s
-
-    def next_delay(self) -> float:
-        delay = self._next_s
-        self._next_s = min(self._next_s * 2, self._max_s)
-        return delay * (0.5 + 0.5 * self._rng.random())
 
 
 @dataclass(frozen=True, kw_only=True)

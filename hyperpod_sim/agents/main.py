@@ -22,11 +22,12 @@ from hyperpod_sim.agents.app import AgentApp
 from hyperpod_sim.agents.config import AgentSettings
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
 from hyperpod_sim.agents.httpserver import HttpServer
-from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
-from hyperpod_sim.agents.partition import Partition
+from hyperpod_sim.agents.loop import AgentLoop, Identity, LoopOutcome
+from hyperpod_sim.agents.retry import Backoff
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.agents.store import ShardStore
 from hyperpod_sim.agents.tier import MemoryTier
+from hyperpod_sim.contracts.partition import Partition
 
 log = logging.getLogger("agents")
 
@@ -116,8 +117,32 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
     for signum in signals:
         loop.add_signal_handler(signum, stop.set)
 
+    agent_loop = _agent_loop(settings=settings, state=state, client=client, endpoint=endpoint, tier=tier)
+    loop_task = asyncio.create_task(agent_loop.run(), name="agent-loop")
+    stop_task = asyncio.create_task(stop.wait(), name="agent-stop")
+    exit_code = 0
+    try:
+        await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        exit_code = await _wind_down(loop_task, settings=settings, state=state, tier=tier, shm_dir=shm_dir)
+    finally:
+        for task in (loop_task, stop_task):
+            task.cancel()
+        await asyncio.gather(loop_task, stop_task, return_exceptions=True)
+        await server.close()
+        await tier.aclose()
+        await client.aclose()
+        for signum in signals:
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(signum)
+    return exit_code
+
+
+def _agent_loop(
+    *, settings: AgentSettings, state: AgentState, client: ControlPlaneClient, endpoint: str, tier: MemoryTier
+) -> AgentLoop:
+    """The loop that registers this agent, applies its policy and heartbeats."""
     memory_bytes = settings.memory_bytes if settings.memory_bytes is not None else machine_memory_bytes()
-    agent_loop = AgentLoop(
+    return AgentLoop(
         state=state,
         client=client,
         identity=Identity(
@@ -133,33 +158,29 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
         permanent_retry_s=settings.permanent_retry_s,
         status_provider=tier.s3.status,
     )
-    loop_task = asyncio.create_task(agent_loop.run(), name="agent-loop")
-    stop_task = asyncio.create_task(stop.wait(), name="agent-stop")
+
+
+async def _wind_down(
+    loop_task: asyncio.Task[LoopOutcome],
+    *,
+    settings: AgentSettings,
+    state: AgentState,
+    tier: MemoryTier,
+    shm_dir: Path,
+) -> int:
+    """After the control-plane loop ended or a signal came: drain to S3 (and free the node's
+    memory if it was deleted); the exit code."""
     exit_code = 0
-    try:
-        await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        if loop_task.done():
-            if loop_task.cancelled() or loop_task.exception() is not None:
-                log.error("the control plane loop ended unexpectedly", exc_info=loop_task.exception())
-                exit_code = 1
-            elif loop_task.result() is LoopOutcome.NODE_DELETED:
-                log.warning(
-                    "node %s was deleted: draining to S3, then freeing its shared memory", state.node_id
-                )
-                await tier.s3.drain(timeout_s=settings.drain_timeout_s, reason="node deleted")
-                tier.store.clear()
-                shutil.rmtree(shm_dir, ignore_errors=True)
-        else:
-            log.info("signal received: draining to S3, then stopping")
-            await tier.s3.drain(timeout_s=settings.drain_timeout_s, reason="agent stopped (SIGTERM)")
-    finally:
-        for task in (loop_task, stop_task):
-            task.cancel()
-        await asyncio.gather(loop_task, stop_task, return_exceptions=True)
-        await server.close()
-        await tier.aclose()
-        await client.aclose()
-        for signum in signals:
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(signum)
+    if loop_task.done():
+        if loop_task.cancelled() or loop_task.exception() is not None:
+            log.error("the control plane loop ended unexpectedly", exc_info=loop_task.exception())
+            exit_code = 1
+        elif loop_task.result() is LoopOutcome.NODE_DELETED:
+            log.warning("node %s was deleted: draining to S3, then freeing its shared memory", state.node_id)
+            await tier.s3.drain(timeout_s=settings.drain_timeout_s, reason="node deleted")
+            tier.store.clear()
+            shutil.rmtree(shm_dir, ignore_errors=True)
+    else:
+        log.info("signal received: draining to S3, then stopping")
+        await tier.s3.drain(timeout_s=settings.drain_timeout_s, reason="agent stopped (SIGTERM)")
     return exit_code

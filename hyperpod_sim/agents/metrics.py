@@ -4,7 +4,6 @@ handful of unlabelled gauges and counters."""
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -170,7 +169,7 @@ def tier_metrics(tier: MemoryTier) -> list[Metric]:
             name="hpsim_tier_replication_lag_seconds",
             kind="gauge",
             help="Age of the oldest shard not yet on every replica peer (0: none).",
-            value=tier.counters.replication_lag_s(time.time()),
+            value=tier.counters.replication_lag_s(tier.clock.wall()),
         ),
         Metric(
             name="hpsim_tier_remote_reads_total",
@@ -196,7 +195,7 @@ def s3_metrics(tier: MemoryTier) -> list[Metric]:
          counters.failures_total),
         ("pending_steps", "gauge", "Due steps not on S3 yet.", len(counters.due)),
         ("lag_seconds", "gauge", "Age of the oldest due step not on S3 yet (0: none).",
-         counters.lag_s(time.time())),
+         counters.lag_s(tier.clock.wall())),
         ("fallback_reads_total", "counter", "Shards served from S3 (no agent held a good copy).",
          counters.fallback_reads_total),
         ("retention_deleted_steps_total", "counter", "Committed steps deleted by S3 retention.",

@@ -1,18 +1,9 @@
-"""Blocking S3 calls of the S3 tier: the object layout, uploads, markers, listings, deletes.
+"""Blocking S3 calls of the S3 tier: uploads, markers, listings, deletes, and injected S3 faults.
 
 Everything here runs in worker threads (``agents/s3tier.py`` owns the executor); boto3 is imported
-lazily, so an agent without an S3 target never loads it.
-
-Layout under a base URI ``s3://bucket/prefix`` (the default layout of the public
-``amzn-sagemaker-checkpointing`` library, so its S3 reader finds what the agents persisted)::
-
-    prefix/<ns>/rank_<r>/step_<n>/checkpoint.pt       rank r's shard (r < world size)
-    prefix/<ns>/rank_0/step_<n>/metadata.metadata     the metadata shard (in memory: rank world size)
-    prefix/<ns>/_committed/step_<n>.json              the commit marker, written last
-
-The library lists ``rank_<r>/`` prefixes only, so it never sees ``_committed/``. Each shard object
-carries its xxh3_128 (base64, as in ``Shard-Meta``) in the ``x-amz-meta-xxh3-128`` header; botocore
-adds a CRC32 to every request that carries data, so a byte changed in transit fails the request.
+lazily, so an agent without an S3 target never loads it. The object layout and the commit marker
+are the contract in ``contracts/s3layout.py``; botocore adds a CRC32 to every request that carries
+data, so a byte changed in transit fails the request.
 """
 
 from __future__ import annotations
@@ -21,20 +12,17 @@ import json
 import logging
 import os
 import random
-import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import IO, Any
 
-from hyperpod_sim.agents.store import checksum_of
+from hyperpod_sim.agents.retry import Backoff
+from hyperpod_sim.contracts.policy import S3Fault
+from hyperpod_sim.contracts.s3layout import CHECKSUM_META, ShardObject, step_of_key
+from hyperpod_sim.contracts.shards import checksum_of
 
 log = logging.getLogger(__name__)
 
-CHECKSUM_META = "xxh3-128"
-MARKER_DIR = "_committed"
-MARKER_FORMAT = "hyperpod-sim/commit-marker"
-_STEP_IN_KEY = re.compile(r"/step_(\d+)(?:/|\.json$)")
 # Parts of a multipart upload: 8 and 16 MiB parts uploaded to moto equally fast, 32 MiB ones
 # about 25 % slower (bench/s3_tier.py, part-size sweep); to SeaweedFS (serve's embedded S3) 8, 16,
 # 32 and 64 MiB parts with 4 threads, and 16 MiB with 8, were within the noise of each other: it
@@ -56,33 +44,28 @@ class S3Faults:
     policy says it is over."""
 
     def __init__(self) -> None:
-        self.doc: dict[str, Any] | None = None
+        self.fault: S3Fault | None = None
         self.injected_total = 0  # requests answered with an injected error
 
-    def set(self, doc: Any) -> None:
-        self.doc = doc if isinstance(doc, dict) else None
+    def set(self, fault: S3Fault | None) -> None:
+        self.fault = fault
 
-    def active(self) -> dict[str, Any] | None:
-        doc = self.doc
-        if doc is None:
+    def active(self) -> S3Fault | None:
+        fault = self.fault
+        if fault is None or (fault.until is not None and time.time() >= fault.until):
             return None
-        until = doc.get("until")
-        if isinstance(until, int | float) and time.time() >= until:
-            return None
-        return doc
+        return fault
 
     def before_send(self, request: Any, **kwargs: Any) -> Any:
-        doc = self.active()
-        if doc is None:
+        fault = self.active()
+        if fault is None:
             return None
-        latency_ms = doc.get("latency_ms")
-        if isinstance(latency_ms, int | float) and latency_ms > 0:
-            time.sleep(latency_ms / 1000)
-        if doc.get("outage"):
+        if fault.latency_ms is not None and fault.latency_ms > 0:
+            time.sleep(fault.latency_ms / 1000)
+        if fault.outage:
             return self._answer(request, 503, "ServiceUnavailable", "injected S3 outage")
-        rate = doc.get("error_rate")
-        if isinstance(rate, int | float) and random.random() < rate:
-            if doc.get("error_kind") == "InternalError":
+        if fault.error_rate is not None and random.random() < fault.error_rate:
+            if fault.error_kind == "InternalError":
                 return self._answer(request, 500, "InternalError", "injected S3 error")
             return self._answer(request, 503, "SlowDown", "injected S3 throttling")
         return None
@@ -115,92 +98,6 @@ class _Raw:
 
 class S3Unavailable(Exception):
     """An S3 call failed after botocore's own retries (the tier lags and tries again later)."""
-
-
-@dataclass(frozen=True)
-class S3Target:
-    """Where and how often a cluster's agents persist, from the ``s3`` member of a node policy."""
-
-    base_uri: str
-    bucket: str
-    prefix: str  # without leading or trailing "/"; "" for the bucket's root
-    endpoint_url: str | None
-    region: str
-    every_steps: int | None
-    every_seconds: float | None
-    retention: int | None
-
-    @classmethod
-    def from_policy(cls, doc: Any, *, endpoint_override: str | None = None) -> S3Target | None:
-        """The target a policy names, or None (no S3 persistence). ValueError if ``doc`` is not one."""
-        if doc is None:
-            return None
-        if not isinstance(doc, dict) or not isinstance(doc.get("base_uri"), str):
-            raise ValueError(f"the policy's s3 member must be an object with a base_uri, got {doc!r}")
-        uri: str = doc["base_uri"]
-        if not uri.startswith("s3://"):
-            raise ValueError(f"the S3 base URI must start with s3://, got {uri!r}")
-        bucket, _, prefix = uri[5:].partition("/")
-        if not bucket:
-            raise ValueError(f"the S3 base URI {uri!r} names no bucket")
-        steps, seconds, retention = (
-            doc.get("persist_every_steps"),
-            doc.get("persist_every_seconds"),
-            doc.get("retention"),
-        )
-        return cls(
-            base_uri=uri.rstrip("/"),
-            bucket=bucket,
-            prefix=prefix.strip("/"),
-            endpoint_url=endpoint_override or doc.get("endpoint_url") or None,
-            region=str(doc.get("region") or "us-east-1"),
-            every_steps=int(steps) if steps else None,
-            every_seconds=float(seconds) if seconds else None,
-            retention=int(retention) if retention else None,
-        )
-
-    def namespace_prefix(self, namespace: str) -> str:
-        return f"{self.prefix}/{namespace}/" if self.prefix else f"{namespace}/"
-
-    def shard_key(self, namespace: str, rank: int, step: int, num_ranks: int) -> str:
-        """The object of one shard. The metadata shard is the last rank of a namespace of at least
-        two ranks (the library's convention: ``num_ranks = world_size + 1``)."""
-        base = self.namespace_prefix(namespace)
-        if num_ranks >= 2 and rank == num_ranks - 1:
-            return f"{base}rank_0/step_{step}/metadata.metadata"
-        return f"{base}rank_{rank}/step_{step}/checkpoint.pt"
-
-    def marker_key(self, namespace: str, step: int) -> str:
-        return f"{self.namespace_prefix(namespace)}{MARKER_DIR}/step_{step}.json"
-
-
-@dataclass(frozen=True)
-class ShardObject:
-    """One shard as it is on S3 (what a commit marker lists)."""
-
-    rank: int
-    key: str
-    size: int
-    checksum: str
-
-    def doc(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "key": self.key,
-            "size": self.size,
-            "checksum": self.checksum,
-            "algorithm": "xxh3_128",
-        }
-
-    @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> ShardObject:
-        return cls(int(doc["rank"]), str(doc["key"]), int(doc["size"]), str(doc["checksum"]))
-
-
-def step_of_key(key: str) -> int | None:
-    """The step an object of the layout belongs to, or None."""
-    match = _STEP_IN_KEY.search(key)
-    return int(match.group(1)) if match else None
 
 
 class S3Objects:
@@ -255,10 +152,11 @@ class S3Objects:
         from botocore.exceptions import BotoCoreError, ClientError
 
         last: Exception | None = None
+        backoff = Backoff(initial_s=1.0, max_s=8.0, jitter=False)  # 1 s, then 2 s
         for attempt in range(UPLOAD_ATTEMPTS):
             if attempt:
                 self.retries_total += 1
-                time.sleep(min(0.5 * 2**attempt, 8.0))
+                time.sleep(backoff.next_delay())
             try:
                 # Each attempt reads its own duplicate of the file: s3transfer closes the file
                 # object it was given when an upload fails, and the next attempt must start over.

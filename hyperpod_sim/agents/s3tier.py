@@ -27,32 +27,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
 
-from hyperpod_sim.agents.s3objects import (
-    MARKER_FORMAT,
-    S3Faults,
-    S3Objects,
-    S3Target,
-    S3Unavailable,
-    ShardObject,
-    step_of_key,
-)
-from hyperpod_sim.agents.store import CorruptShard, ShardKey
-
-if TYPE_CHECKING:
-    from hyperpod_sim.agents.tier import MemoryTier, Namespace
+from hyperpod_sim.agents import catalog
+from hyperpod_sim.agents.clock import SYSTEM_CLOCK, Clock
+from hyperpod_sim.agents.cluster import ClusterView
+from hyperpod_sim.agents.retry import Backoff
+from hyperpod_sim.agents.s3objects import S3Faults, S3Objects, S3Unavailable
+from hyperpod_sim.agents.state import AgentState
+from hyperpod_sim.agents.store import CorruptShard, ShardKey, ShardStore
+from hyperpod_sim.agents.tiermodel import Namespace, TierError
+from hyperpod_sim.contracts.policy import NodePolicy, S3Policy
+from hyperpod_sim.contracts.s3layout import CommitMarker, S3Target, ShardObject, step_of_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,6 +59,15 @@ PEER_PERSIST_TIMEOUT = httpx.Timeout(10.0, read=900.0)
 
 class PersistFailed(Exception):
     """A step could not be committed on S3 (nothing was reported committed)."""
+
+
+def is_temporary(exc: Exception) -> bool:
+    """Whether a persist that failed with ``exc`` may succeed when tried again: S3 or a peer
+    unavailable, a rank missing for now, the control plane down (5xx). A refusal (4xx), an
+    answer off the contract or a bug of ours is permanent."""
+    if isinstance(exc, TierError):
+        return exc.status >= 500
+    return isinstance(exc, PersistFailed | S3Unavailable | httpx.HTTPError | OSError | TimeoutError)
 
 
 @dataclass
@@ -96,13 +100,18 @@ class _NamespaceQueue:
 class S3Tier:
     def __init__(
         self,
-        tier: MemoryTier,
         *,
+        state: AgentState,
+        store: ShardStore,
+        cluster: ClusterView,
+        clock: Clock = SYSTEM_CLOCK,
         endpoint_override: str | None = None,
         upload_workers: int = 4,
     ) -> None:
-        self._tier = tier
-        self.store = tier.store
+        self._state = state
+        self.store = store
+        self._cluster = cluster
+        self._clock = clock
         self.counters = S3Counters()
         self.target: S3Target | None = None
         self._endpoint_override = endpoint_override
@@ -117,7 +126,7 @@ class S3Tier:
         self._closing = False
         # Injected S3 faults (the policy's faults.s3), applied by every S3 client of this tier.
         self.faults = S3Faults()
-        tier.state.listeners.append(self._on_policy)
+        state.listeners.append(self._on_policy)
 
     async def aclose(self) -> None:
         self._closing = True
@@ -131,18 +140,18 @@ class S3Tier:
 
     # ------------------------------------------------------------------ configuration
 
-    def set_target(self, doc: Any) -> None:
+    def set_target(self, s3: S3Policy | None) -> None:
         """Apply a policy's ``s3`` member (None: no S3 persistence)."""
         try:
-            self.target = S3Target.from_policy(doc, endpoint_override=self._endpoint_override)
+            self.target = S3Target.from_policy(s3, endpoint_override=self._endpoint_override)
         except ValueError as exc:
             log.error("S3 persistence is off: %s", exc)
             self.target = None
         if self.target is None:
             self.counters.due.clear()
 
-    def _on_policy(self, previous: dict[str, Any] | None, current: dict[str, Any]) -> None:
-        self.faults.set((current.get("faults") or {}).get("s3"))
+    def _on_policy(self, previous: NodePolicy | None, current: NodePolicy) -> None:
+        self.faults.set(current.faults.s3)
 
     @property
     def upload_retries_total(self) -> int:
@@ -173,7 +182,7 @@ class S3Tier:
         counters = self.counters
         return {
             "pending_steps": len(counters.due),
-            "lag_seconds": round(counters.lag_s(time.time()), 3),
+            "lag_seconds": round(counters.lag_s(self._clock.wall()), 3),
             "persisted_steps_total": counters.persisted_steps_total,
             "failures_total": counters.failures_total,
             "last_persisted": dict(counters.last_persisted),
@@ -190,52 +199,67 @@ class S3Tier:
         queue = self._queues.setdefault(namespace.name, _NamespaceQueue())
         by_steps = target.every_steps is not None and key.step % target.every_steps == 0
         by_time = (
-            target.every_seconds is not None and time.monotonic() - queue.last_started >= target.every_seconds
+            target.every_seconds is not None
+            and self._clock.monotonic() - queue.last_started >= target.every_seconds
         )
         if not (by_steps or by_time):
             return
-        self.counters.due.setdefault((namespace.name, key.step), time.time())
+        self.counters.due.setdefault((namespace.name, key.step), self._clock.wall())
         if queue.wanted is None or key.step > queue.wanted:
             queue.wanted = key.step
         if queue.task is None or queue.task.done():
             queue.task = asyncio.ensure_future(self._persist_loop(namespace.name, queue))
 
     async def _persist_loop(self, name: str, queue: _NamespaceQueue) -> None:
-        """Persist the newest wanted step of a namespace until none is left; retry failures."""
-        delay = 0.5
+        """Persist the newest wanted step of a namespace until none is left. A temporary failure
+        (S3 or a peer down) is retried with backoff; a permanent one (a refusal that retrying
+        cannot change, or our bug) gives the step up: the next due step is tried afresh."""
+        backoff = Backoff(initial_s=0.5, max_s=PERSIST_RETRY_MAX_S, jitter=False)
         while queue.wanted is not None and not self._closing:
             step = queue.wanted
-            queue.last_started = time.monotonic()
+            queue.last_started = self._clock.monotonic()
             try:
                 await self.persist_step(name, step)
-            except Exception as exc:  # S3 down, a peer gone, or our bug: retried all the same
-                self.counters.failures_total += 1
-                queue.failures += 1
-                self.counters.last_error = f"{type(exc).__name__}: {exc}"[:500]
-                expected = isinstance(exc, PersistFailed | S3Unavailable)
-                log.log(
-                    logging.WARNING if expected else logging.ERROR,
-                    "persist of step %d of %r failed; retrying in %.1f s: %s",
-                    step,
-                    name,
-                    delay,
-                    exc,
-                    exc_info=not expected,
-                )
-                if queue.wanted == step:
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, PERSIST_RETRY_MAX_S)
-                    if queue.wanted == step and await self._still_complete(name, step) is False:
-                        log.warning("step %d of %r is no longer complete in memory; giving it up", step, name)
-                        self._forget_due(name, up_to=step)
-                        queue.wanted = None
+            except Exception as exc:
+                temporary = is_temporary(exc)
+                self._count_failure(name, step, exc, queue, temporary=temporary)
+                if queue.wanted != step:
+                    continue  # a newer step is wanted: try it at once
+                if not temporary:
+                    self._give_up(name, step, queue, why="retrying cannot make it succeed")
+                    continue
+                await self._clock.sleep(backoff.next_delay())
+                if queue.wanted == step and await self._still_complete(name, step) is False:
+                    self._give_up(name, step, queue, why="it is no longer complete in memory")
                 continue
-            delay = 0.5
+            backoff.reset()
             if queue.wanted == step:
                 queue.wanted = None
             if queue.failures and not any(due[0] == name for due in self.counters.due):
                 await self._report_caught_up(name, step, queue.failures)
                 queue.failures = 0
+
+    def _count_failure(
+        self, name: str, step: int, exc: Exception, queue: _NamespaceQueue, *, temporary: bool
+    ) -> None:
+        self.counters.failures_total += 1
+        queue.failures += 1
+        self.counters.last_error = f"{type(exc).__name__}: {exc}"[:500]
+        expected = isinstance(exc, PersistFailed | S3Unavailable)
+        log.log(
+            logging.WARNING if expected else logging.ERROR,
+            "persist of step %d of %r failed (%s): %s",
+            step,
+            name,
+            "temporary: retried" if temporary else "permanent",
+            exc,
+            exc_info=not expected,
+        )
+
+    def _give_up(self, name: str, step: int, queue: _NamespaceQueue, *, why: str) -> None:
+        log.warning("step %d of %r is given up: %s", step, name, why)
+        self._forget_due(name, up_to=step)
+        queue.wanted = None
 
     async def _report_caught_up(self, name: str, step: int, failures: int) -> None:
         """A cluster event: the lag that failed persists built up is gone (nothing pending)."""
@@ -247,13 +271,13 @@ class S3Tier:
         )
         log.warning("%s", message)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._tier.report_event("Info", message), 5.0)
+            await asyncio.wait_for(self._cluster.report_event("Info", message), 5.0)
 
     async def _still_complete(self, name: str, step: int) -> bool | None:
         """Whether the step is still complete in memory; None if that cannot be told now (a
         persist is given up only on a definite no)."""
         try:
-            return step in await self._tier.complete_steps(name)
+            return step in await catalog.cluster_complete_steps(self._cluster, self.store, name)
         except Exception:
             return None
 
@@ -269,7 +293,7 @@ class S3Tier:
         target = self.target
         if target is None:
             raise PersistFailed("no S3 base URI is configured for this cluster")
-        namespace = await self._tier.namespace(name)
+        namespace = await self._cluster.namespace(name)
         objects = await self._client(target)
         marker_key = target.marker_key(name, step)
         if await self._run(lambda: objects.head(target.bucket, marker_key)) is not None:
@@ -310,17 +334,15 @@ class S3Tier:
         if missing:
             detail = "; ".join(errors[:3]) or "no agent holds them"
             raise PersistFailed(f"step {step} of {name!r}: ranks {missing} could not be put on S3 ({detail})")
-        marker = {
-            "format": MARKER_FORMAT,
-            "version": 1,
-            "namespace": name,
-            "step": step,
-            "num_ranks": namespace.num_ranks,
-            "committed_at": time.time(),
-            "committed_by": self._tier.state.node_id,
-            "shards": [done[rank].doc() for rank in sorted(done)],
-        }
-        await self._run(lambda: objects.put_json(target.bucket, marker_key, marker))
+        marker = CommitMarker(
+            namespace=name,
+            step=step,
+            num_ranks=namespace.num_ranks,
+            committed_at=self._clock.wall(),
+            committed_by=self._state.node_id,
+            shards=tuple(done[rank] for rank in sorted(done)),
+        )
+        await self._run(lambda: objects.put_json(target.bucket, marker_key, marker.doc()))
         self.counters.persisted_steps_total += 1
         self._committed(name, step)
         log.info("step %d of %r is on S3 (%d shards)", step, name, len(done))
@@ -347,7 +369,7 @@ class S3Tier:
             try:
                 return await self.upload_shard(target, namespace, ShardKey(namespace.name, rank, step))
             except (S3Unavailable, CorruptShard, KeyError, FileNotFoundError) as exc:
-                return f"rank {rank} on {self._tier.state.node_id}: {exc}"
+                return f"rank {rank} on {self._state.node_id}: {exc}"
 
         results = await asyncio.gather(*(one(r) for r in ranks))
         return [r for r in results if isinstance(r, ShardObject)], [r for r in results if isinstance(r, str)]
@@ -404,7 +426,9 @@ class S3Tier:
         body = {"base_uri": target.base_uri, "ranks": ranks, "replicas": replicas}
         results: list[ShardObject] = []
         problems: list[str] = []
-        for node_id, response in await self._tier.fan_out_post(path, body, timeout=PEER_PERSIST_TIMEOUT):
+        for node_id, response in await self._cluster.fan_out(
+            "POST", path, json_body=body, timeout=PEER_PERSIST_TIMEOUT
+        ):
             if response.status_code != 200:
                 problems.append(f"{node_id}: {response.status_code} {response.text[:200]}")
                 continue
@@ -418,7 +442,7 @@ class S3Tier:
         target = self.target
         if target is None or target.base_uri != body.get("base_uri"):
             return {"uploaded": [], "failed": [f"this agent's S3 target is {target and target.base_uri}"]}
-        namespace = await self._tier.namespace(name)
+        namespace = await self._cluster.namespace(name)
         replicas = bool(body.get("replicas"))
         ranks = [
             int(r)
@@ -435,31 +459,19 @@ class S3Tier:
         """Keep the newest ``retention`` committed steps (markers go first); delete what uploads
         that died before their marker left behind, below the newest committed step."""
         prefix = target.namespace_prefix(name)
-        marker_prefix = f"{prefix}_committed/"
+        marker_prefix = target.marker_prefix(name)
         keys = list(objects.keys(target.bucket, prefix))
-        committed = sorted(
-            {s for k in keys if k.startswith(marker_prefix) and (s := step_of_key(k)) is not None},
-            reverse=True,
+        markers = [k for k in keys if k.startswith(marker_prefix)]
+        data = [k for k in keys if not k.startswith(marker_prefix)]
+        doomed, abandoned = catalog.retention_plan(
+            (s for k in markers if (s := step_of_key(k)) is not None),
+            (s for k in data if (s := step_of_key(k)) is not None),
+            target.retention,
         )
-        if not committed:
-            return
-        doomed = set(committed[target.retention :]) if target.retention else set()
         for step in sorted(doomed):
             objects.delete(target.bucket, [target.marker_key(name, step)])  # not "on S3" from here on
-            objects.delete(
-                target.bucket,
-                [k for k in keys if not k.startswith(marker_prefix) and step_of_key(k) == step],
-            )
+            objects.delete(target.bucket, [k for k in data if step_of_key(k) == step])
             self.counters.retention_deleted_steps_total += 1
-        newest_committed = committed[0]
-        abandoned = {
-            s
-            for k in keys
-            if not k.startswith(marker_prefix)
-            and (s := step_of_key(k)) is not None
-            and s < newest_committed
-            and s not in committed
-        }
         if abandoned:
             objects.delete(target.bucket, [k for k in keys if step_of_key(k) in abandoned])
             self.counters.abandoned_steps_deleted_total += len(abandoned)
@@ -475,7 +487,7 @@ class S3Tier:
         if target is None:
             return []
         objects = await self._client(target)
-        marker_prefix = f"{target.namespace_prefix(name)}_committed/"
+        marker_prefix = target.marker_prefix(name)
         try:
             keys = await self._run(lambda: list(objects.keys(target.bucket, marker_prefix)))
         except S3Unavailable as exc:
@@ -495,8 +507,7 @@ class S3Tier:
             raw = objects.get(target.bucket, target.marker_key(key.namespace, key.step))
             if raw is None:
                 return None
-            marker = json.loads(raw)
-            shard = next((ShardObject.from_doc(d) for d in marker["shards"] if d["rank"] == key.rank), None)
+            shard = CommitMarker.shard_of(raw, key.rank)
             if shard is None:
                 return None
             data = objects.get_verified(target.bucket, shard)
@@ -504,7 +515,7 @@ class S3Tier:
 
         try:
             found = await self._run(read)
-        except (S3Unavailable, ValueError, KeyError) as exc:
+        except (S3Unavailable, ValueError, KeyError, TypeError) as exc:
             log.warning("S3 read of %s failed: %s", key, exc)
             return None
         if found is not None:
@@ -520,12 +531,14 @@ class S3Tier:
         if target is None:
             return []
         names = sorted({s.key.namespace for s in self.store.shards() if s.replica_of is None})
-        deadline = time.monotonic() + timeout_s
+        deadline = self._clock.monotonic() + timeout_s
         problems: list[str] = []
         for name in names:
             step: int | None = None
             try:
-                complete = await asyncio.wait_for(self._tier.complete_steps(name), self._left(deadline))
+                complete = await asyncio.wait_for(
+                    catalog.cluster_complete_steps(self._cluster, self.store, name), self._left(deadline)
+                )
                 if not complete:
                     continue
                 step = complete[0]
@@ -537,7 +550,7 @@ class S3Tier:
             except Exception as exc:
                 what = "the newest complete step" if step is None else f"step {step}"
                 problem = (
-                    f"node {self._tier.state.node_id} could not persist {what} of namespace {name!r} to "
+                    f"node {self._state.node_id} could not persist {what} of namespace {name!r} to "
                     f"{target.base_uri} before stopping ({reason}): {type(exc).__name__}: {exc}"
                 )
                 problems.append(problem)
@@ -546,12 +559,11 @@ class S3Tier:
             self.counters.last_error = problem[:500]
             log.error("%s", problem)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._tier.report_event("Error", problem[:2048]), 5.0)
+                await asyncio.wait_for(self._cluster.report_event("Error", problem[:2048]), 5.0)
         return problems
 
-    @staticmethod
-    def _left(deadline: float) -> float:
-        return max(deadline - time.monotonic(), 0.001)
+    def _left(self, deadline: float) -> float:
+        return max(deadline - self._clock.monotonic(), 0.001)
 
 
 # How much lower than the agent's event loop (nice 0) S3 work runs. Linux gives each thread its own

@@ -9,16 +9,15 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pydantic import SecretStr
 
-PolicyDocument = dict[str, Any]
-# Called after a policy is applied, with the previous document (None before the first) and the new one.
-PolicyListener = Callable[[PolicyDocument | None, PolicyDocument], None]
+from hyperpod_sim.contracts.policy import NodePolicy, PolicyError, parse_policy
+
+# Called after a policy is applied, with the previous policy (None before the first) and the new one.
+PolicyListener = Callable[[NodePolicy | None, NodePolicy], None]
 
 
 class ApplyStatus(enum.Enum):
@@ -51,9 +50,6 @@ class Credential(enum.Enum):
     CHECKPOINT = "checkpoint token"
 
 
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
 class AuthStatus(enum.Enum):
     OK = "ok"
     MISSING = "missing"  # no or malformed Authorization header: 401
@@ -83,24 +79,21 @@ class AgentState:
     node_token: SecretStr | None = None
     control_plane_token: SecretStr | None = None
     registered: bool = False
-    policy: PolicyDocument | None = None
+    policy: NodePolicy | None = None
     counters: Counters = field(default_factory=Counters)
     listeners: list[PolicyListener] = field(default_factory=list)
 
     @property
     def applied_generation(self) -> int:
-        return int(self.policy["generation"]) if self.policy else 0
+        return self.policy.generation if self.policy else 0
 
     @property
     def memory_budget_bytes(self) -> int:
-        return int(self.policy.get("memory_budget_bytes") or 0) if self.policy else 0
+        return self.policy.memory_budget_bytes if self.policy else 0
 
     @property
     def tiered_storage_enabled(self) -> bool:
-        if not self.policy:
-            return False
-        tiered = self.policy.get("tiered_storage") or {}
-        return bool(tiered.get("enabled", False))
+        return self.policy.tiered_storage.enabled if self.policy else False
 
     def mark_registered(
         self, *, node_id: str, cluster_token: SecretStr, node_token: SecretStr, control_plane_token: SecretStr
@@ -115,8 +108,7 @@ class AgentState:
     def checkpoint_token_required(self) -> bool:
         """Whether the cluster's AgentAccess is Token: checkpoint writes need the checkpoint token.
         A policy without ``checkpoint_access`` (an older control plane) is Open."""
-        access = (self.policy or {}).get("checkpoint_access") or {}
-        return access.get("mode") == "Token"
+        return self.policy.checkpoint_access.token_required if self.policy else False
 
     def check_token(
         self, authorization: str | None, credential: Credential = Credential.CLUSTER
@@ -133,8 +125,8 @@ class AgentState:
             return _check_bearer(authorization, self.cluster_token)
         if credential is Credential.CONTROL_PLANE:
             return _check_bearer(authorization, self.control_plane_token)
-        digest = ((self.policy or {}).get("checkpoint_access") or {}).get("token_sha256")
-        if not isinstance(digest, str):
+        digest = self.policy.checkpoint_access.token_sha256 if self.policy else None
+        if digest is None:
             return AuthStatus.NOT_REGISTERED
         presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
         return AuthStatus.OK if hmac.compare_digest(presented, digest) else AuthStatus.WRONG
@@ -142,12 +134,13 @@ class AgentState:
     def apply_policy(self, doc: object, *, reset: bool = False) -> ApplyOutcome:
         """Apply a policy document: newer generations replace the one in force, the same generation
         is a no-op, older ones are refused, unless ``reset`` (the control plane re-syncs an agent
-        that holds a generation it never issued). Listeners (the checkpoint tiers) see every change."""
-        problem = self._validate(doc)
-        if problem is not None:
-            return ApplyOutcome(ApplyStatus.INVALID, self.applied_generation, problem)
-        assert isinstance(doc, dict)
-        generation: int = doc["generation"]
+        that holds a generation it never issued). The document is validated here, once; listeners
+        (the checkpoint tiers) see every change, as ``NodePolicy`` models."""
+        try:
+            policy = self._validate(doc)
+        except PolicyError as exc:
+            return ApplyOutcome(ApplyStatus.INVALID, self.applied_generation, str(exc))
+        generation = policy.generation
         current = self.applied_generation
         if generation < current and not reset:
             return ApplyOutcome(
@@ -157,42 +150,22 @@ class AgentState:
             )
         if generation == current:
             return ApplyOutcome(ApplyStatus.UNCHANGED, current, f"generation {current} is already applied")
-        previous, self.policy = self.policy, dict(doc)
+        previous, self.policy = self.policy, policy
         self.counters.policy_applies_total += 1
         for listener in self.listeners:
-            listener(previous, self.policy)
+            listener(previous, policy)
         return ApplyOutcome(ApplyStatus.APPLIED, generation, f"applied generation {generation}")
 
-    def _validate(self, doc: object) -> str | None:
-        if not isinstance(doc, dict):
-            return f"a policy document must be a JSON object, got {_json_type(doc)}"
-        generation = doc.get("generation")
-        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
-            return f"'generation' must be an integer >= 1, got {generation!r}"
-        budget = doc.get("memory_budget_bytes")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            return f"'memory_budget_bytes' must be an integer >= 0, got {budget!r}"
-        tiered = doc.get("tiered_storage")
-        if tiered is not None and (
-            not isinstance(tiered, dict) or not isinstance(tiered.get("enabled", False), bool)
+    def _validate(self, doc: object) -> NodePolicy:
+        """The policy ``doc`` is, if it is one and is for this agent; PolicyError otherwise."""
+        policy = parse_policy(doc)
+        for key, theirs, mine in (
+            ("node_id", policy.node_id, self.node_id),
+            ("cluster_name", policy.cluster_name, self.cluster),
         ):
-            return f"'tiered_storage' must be an object with a boolean 'enabled', got {tiered!r}"
-        access = doc.get("checkpoint_access")
-        if access is not None:
-            mode = access.get("mode") if isinstance(access, dict) else None
-            digest = access.get("token_sha256") if isinstance(access, dict) else None
-            if mode not in ("Open", "Token") or (
-                mode == "Token" and not (isinstance(digest, str) and _SHA256_HEX.fullmatch(digest))
-            ):
-                return (
-                    '\'checkpoint_access\' must be {"mode": "Open"} or {"mode": "Token", '
-                    f'"token_sha256": <64 hex digits>}}, got {str(access)[:200]}'
-                )
-        for key, mine in (("node_id", self.node_id), ("cluster_name", self.cluster)):
-            theirs = doc.get(key)
             if theirs is not None and mine is not None and theirs != mine:
-                return f"the policy is for {key} {theirs!r}, this agent's {key} is {mine!r}"
-        return None
+                raise PolicyError(f"the policy is for {key} {theirs!r}, this agent's {key} is {mine!r}")
+        return policy
 
 
 def _check_bearer(authorization: str | None, expected: SecretStr | None) -> AuthStatus:
@@ -205,8 +178,3 @@ def _check_bearer(authorization: str | None, expected: SecretStr | None) -> Auth
         return AuthStatus.NOT_REGISTERED
     matches = hmac.compare_digest(token.encode(), expected.get_secret_value().encode())
     return AuthStatus.OK if matches else AuthStatus.WRONG
-
-
-def _json_type(value: object) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)

@@ -3,52 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
 from sqlalchemy.exc import OperationalError
 
 from hyperpod_sim.api.deps import ServicesDep
+from hyperpod_sim.contracts.agent_api import (
+    AGENT_API_PREFIX,
+    EVENTS_ROUTE,
+    HEARTBEAT_ROUTE,
+    MEMBERS_ROUTE,
+    NAMESPACE_ROUTE,
+    NAMESPACES_RESET_ROUTE,
+    NAMESPACES_ROUTE,
+    NODE_POLICY_ROUTE,
+    REGISTER_ROUTE,
+    AgentEvent,
+    Heartbeat,
+    NamespaceCreation,
+    Registration,
+)
 from hyperpod_sim.domain.errors import AgentProtocolError
 
-router = APIRouter(prefix="/agent/v1", tags=["agents"])
-
-
-class Registration(BaseModel):
-    node_id: str | None = Field(default=None, description="Null for agents of the external provisioner.")
-    endpoint: str = Field(
-        description="Where the control plane reaches the agent, e.g. http://127.0.0.1:41234"
-    )
-    pid: int | None = None
-    instance_type: str | None = None
-    memory_bytes: int | None = None
-
-
-class Heartbeat(BaseModel):
-    applied_generation: int = Field(ge=0)
-    endpoint: str | None = None
-    pid: int | None = None
-    # Typed loosely on purpose: the domain checks it and answers in the protocol's own words.
-    s3: Any = Field(
-        default=None,
-        description="The agent's S3 tier, shown as AgentStatus.S3Tier of the node: null, or "
-        '{"pending_steps": int, "lag_seconds": float, "persisted_steps_total": int, '
-        '"failures_total": int, "last_persisted": {"<namespace>": step}, "last_error": str | null}; '
-        "at most 8 KiB of JSON.",
-    )
-
-
-class AgentEvent(BaseModel):
-    node_id: str | None = Field(
-        default=None,
-        description="The reporting node, which must be the node whose token the call carries (the "
-        "event is that node's in any case); a ShuttingDown node is accepted.",
-    )
-    level: Literal["Info", "Warn", "Error"]
-    message: str = Field(min_length=1, max_length=2048, description="The event's description.")
+router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agents"])
 
 
 def bearer(request: Request) -> str | None:
@@ -73,7 +53,7 @@ async def _call(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> JSONRespons
 
 
 @router.post(
-    "/clusters/{cluster}/register",
+    REGISTER_ROUTE,
     summary="Register a node agent",
     description="With the node's launch secret and its node id (an agent the local provisioner "
     "started), or with the bootstrap token and no node id (external provisioner: the agent is bound "
@@ -93,7 +73,7 @@ async def register(cluster: str, body: Registration, request: Request, services:
 
 
 @router.post(
-    "/clusters/{cluster}/nodes/{node_id}/heartbeat",
+    HEARTBEAT_ROUTE,
     summary="Agent heartbeat",
     description="With the node's own node token. Records liveness, the generation the agent applied "
     "and its S3 tier's status; answers the desired generation. 404 once the node is deleted "
@@ -115,7 +95,7 @@ async def heartbeat(
 
 
 @router.post(
-    "/clusters/{cluster}/events",
+    EVENTS_ROUTE,
     summary="Record an event of a node",
     description="What an agent reports for ListClusterEvents, e.g. the checkpoint steps it could not "
     "persist to S3 while draining: an event of the node whose node token the call carries. Accepted "
@@ -139,7 +119,7 @@ async def record_event(
 
 
 @router.get(
-    "/clusters/{cluster}/nodes/{node_id}/policy",
+    NODE_POLICY_ROUTE,
     summary="The node's current policy",
     description="What an agent pulls when its heartbeat says its generation is behind; with the "
     "node's own node token.",
@@ -149,7 +129,7 @@ async def policy(cluster: str, node_id: str, request: Request, services: Service
 
 
 @router.get(
-    "/clusters/{cluster}/members",
+    MEMBERS_ROUTE,
     summary="The cluster's nodes in ring order",
     description="Node ids, groups, statuses and agent endpoints; agents resolve replica peers here.",
 )
@@ -157,13 +137,8 @@ async def members(cluster: str, request: Request, services: ServicesDep) -> JSON
     return await _call(services.agents.members, cluster_name=cluster, token=bearer(request))
 
 
-class NamespaceCreation(BaseModel):
-    num_ranks: int = Field(description="Ranks of the namespace, metadata ranks included.")
-    steps_retained: int = Field(description="Steps kept per rank; capped at the cluster's retention.")
-
-
 @router.get(
-    "/clusters/{cluster}/namespaces",
+    NAMESPACES_ROUTE,
     summary="The cluster's checkpoint namespaces",
     description="Every namespace trainers created through any agent of the cluster.",
 )
@@ -172,7 +147,7 @@ async def list_namespaces(cluster: str, request: Request, services: ServicesDep)
 
 
 @router.get(
-    "/clusters/{cluster}/namespaces/{name}",
+    NAMESPACE_ROUTE,
     summary="A checkpoint namespace",
     description="Namespaces are cluster-wide: agents keep them here, so that a namespace created "
     "through one agent is known to every agent of the cluster.",
@@ -182,7 +157,7 @@ async def get_namespace(cluster: str, name: str, request: Request, services: Ser
 
 
 @router.post(
-    "/clusters/{cluster}/namespaces/{name}",
+    NAMESPACE_ROUTE,
     summary="Create a checkpoint namespace",
     description="What an agent does when a trainer creates a namespace through it (409 if it exists). "
     "The retention is capped at the cluster's in-memory retention.",
@@ -205,7 +180,7 @@ async def create_namespace(
 
 
 @router.delete(
-    "/clusters/{cluster}/namespaces/{name}",
+    NAMESPACE_ROUTE,
     summary="Delete a checkpoint namespace",
     description="The agent that received the trainer's delete then removes the data on every agent.",
 )
@@ -216,7 +191,7 @@ async def delete_namespace(cluster: str, name: str, request: Request, services: 
 
 
 @router.post(
-    "/clusters/{cluster}/namespaces-reset",
+    NAMESPACES_RESET_ROUTE,
     summary="Delete every namespace of the cluster",
     description="The control plane's half of the protocol's cluster reset.",
 )

@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from hyperpod_sim.agents.partition import CONTROL_PLANE_AGENT
+from hyperpod_sim.contracts.agent_api import CONTROL_PLANE_AGENT
 
 _CLOSED = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 

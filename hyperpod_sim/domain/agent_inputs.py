@@ -10,10 +10,10 @@ import re
 from typing import Any
 from urllib.parse import urlsplit
 
+from hyperpod_sim.contracts.limits import MAX_ENDPOINT, MAX_S3_STATUS_BYTES
 from hyperpod_sim.domain.errors import AgentProtocolError
 
 # The heartbeat's `s3` member is stored with the node on every heartbeat: keep it small.
-MAX_S3_STATUS_BYTES = 8 * 1024
 # Members of the heartbeat's `s3` object, by the JSON type each must have; others are ignored
 # (a newer agent may report more than this control plane shows).
 S3_STATUS_COUNTERS = ("pending_steps", "persisted_steps_total", "failures_total")
@@ -67,7 +67,6 @@ def check_s3_status(status: object) -> dict[str, Any] | None:
     return {member: status[member] for member in known if member in status}
 
 
-MAX_ENDPOINT = 256  # the column's size
 _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$"
 )

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, selectinload
 
+from hyperpod_sim.contracts.limits import MAX_EVENT_MESSAGE, MAX_RANKS
 from hyperpod_sim.domain import credentials, events
 from hyperpod_sim.domain.agent_inputs import check_endpoint, check_s3_status
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
@@ -26,9 +27,6 @@ from hyperpod_sim.domain.events import Level
 from hyperpod_sim.domain.lifecycle import LIVE, NodeStatus
 from hyperpod_sim.domain.policy import build_policy, ring
 from hyperpod_sim.models import CheckpointNamespace, Cluster, Database, Node
-
-MAX_RANKS = 1_000_000
-MAX_EVENT_MESSAGE = 2048
 
 
 @dataclass(frozen=True)
@@ -168,7 +166,7 @@ class AgentService:
             members,
             memory_scale=self.config.memory_scale,
             s3_endpoint=self.config.s3_endpoint,
-        )
+        ).document()
 
     # ------------------------------------------------------------------ calls
 

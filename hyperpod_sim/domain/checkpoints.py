@@ -15,11 +15,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
+from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, INTERNAL_S3_STEPS_ROUTE, agent_path
 from hyperpod_sim.domain.agent_client import AgentConnection, AgentUnreachable
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
 from hyperpod_sim.domain.errors import ResourceNotFound
@@ -196,7 +196,7 @@ class CheckpointCatalog:
         try:
             with AgentConnection(endpoint, token=token, timeout=self.config.agent_timeout_s) as agent:
                 for namespace in namespaces:
-                    answer = agent.call("GET", f"/v1/internal/index/{quote(namespace.name, safe='')}")
+                    answer = agent.call("GET", agent_path(INTERNAL_INDEX_ROUTE, namespace=namespace.name))
                     if answer.status != 200:
                         return None
                     doc = answer.json()
@@ -216,7 +216,7 @@ class CheckpointCatalog:
                     timeout=self.config.s3_timeout_s,
                     connect_timeout=self.config.agent_timeout_s,
                 ) as agent:
-                    answer = agent.call("GET", f"/v1/internal/s3-steps/{quote(name, safe='')}")
+                    answer = agent.call("GET", agent_path(INTERNAL_S3_STEPS_ROUTE, namespace=name))
                 if answer.status == 200:
                     return {int(step) for step in answer.json()["steps"]}
             except (AgentUnreachable, ValueError, KeyError, TypeError):

@@ -16,7 +16,7 @@ processes:
   it with ``NodeRecovery: Automatic`` (the replaced node's agent is stopped) or, with ``None``,
   sees it recover when the agent heartbeats again.
 - ``NetworkPartition``: the node and the control plane cannot reach each other for
-  ``DurationSeconds`` (a firewall rule on the node, agents/partition.py); trainers, peer agents and
+  ``DurationSeconds`` (a firewall rule on the node, contracts/partition.py); trainers, peer agents and
   S3 still reach it, so checkpointing goes on. The control plane cannot tell this from a dead node:
   past the heartbeat timeout it fails the node and, with ``Automatic``, replaces it; with ``None``
   the node recovers when the partition heals and the agent's heartbeats get through again.

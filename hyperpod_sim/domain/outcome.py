@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+
+from hyperpod_sim.contracts.policy import NodePolicy
 
 
 @dataclass(frozen=True)
@@ -14,7 +15,7 @@ class Push:
     node_id: str
     endpoint: str
     token: str  # the node's control-plane token: only this control plane and that agent know it
-    policy: dict[str, Any]
+    policy: NodePolicy
 
 
 @dataclass

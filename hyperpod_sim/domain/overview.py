@@ -19,7 +19,7 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from hyperpod_sim.agents.partition import CONTROL_PLANE_AGENT
+from hyperpod_sim.contracts.agent_api import CONTROL_PLANE_AGENT
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
 from hyperpod_sim.domain.checkpoints import NamespaceCheckpoints
 from hyperpod_sim.domain.errors import ResourceNotFound

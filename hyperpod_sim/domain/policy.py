@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+from hyperpod_sim.contracts.policy import (
+    CheckpointAccess,
+    Faults,
+    NodePolicy,
+    Peer,
+    Replication,
+    S3Fault,
+    S3Policy,
+    TieredStorage,
+)
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
 from hyperpod_sim.domain.faults import s3_fault_document
 from hyperpod_sim.domain.instance_types import instance_memory_bytes
@@ -28,37 +37,42 @@ def memory_budget_bytes(cluster: Cluster, instance_type: str, memory_scale: floa
 
 def build_policy(
     cluster: Cluster, node: Node, members: Sequence[Node], *, memory_scale: float, s3_endpoint: S3Endpoint
-) -> dict[str, Any]:
-    """The document for ``node``, given the cluster's live members (the replica ring)."""
+) -> NodePolicy:
+    """The policy of ``node``, given the cluster's live members (the replica ring). Its
+    ``document()`` is what the node's agent gets."""
     tiered = cluster.tiered_storage or {}
     enabled = tiered.get("Mode") == "Enable"
     # Peers are named by node id: their endpoints come and go with agent restarts without
     # changing the policy; agents look them up with the members call of the agent API.
     checkpoint = CheckpointPolicy.from_stored(cluster.checkpoint_policy)
     ordered = ring(cluster, members)
-    peers: list[dict[str, Any]] = []
+    peers: list[Peer] = []
     if enabled and node in ordered and len(ordered) > 1:
         index = ordered.index(node)
         factor = min(checkpoint.replication_factor, len(ordered) - 1)
         for step in range(1, factor + 1):
-            peers.append({"node_id": ordered[(index + step) % len(ordered)].id})
-    return {
-        "generation": cluster.generation,
-        "cluster_name": cluster.name,
-        "cluster_id": cluster.id,
-        "node_id": node.id,
-        "instance_group": node.group_name,
-        "instance_type": node.instance_type,
-        "tiered_storage": {
-            "enabled": enabled,
-            "memory_percentage": tiered.get("InstanceMemoryAllocationPercentage") if enabled else None,
-        },
-        "memory_budget_bytes": memory_budget_bytes(cluster, node.instance_type, memory_scale),
-        "in_memory_retention": checkpoint.in_memory_retention,
-        "replication": {"factor": checkpoint.replication_factor if enabled else 0, "peers": peers},
-        "s3": checkpoint.s3_document(s3_endpoint) if enabled else None,
+            peers.append(Peer(node_id=ordered[(index + step) % len(ordered)].id))
+    s3 = checkpoint.s3_document(s3_endpoint) if enabled else None
+    s3_fault = s3_fault_document(cluster)
+    return NodePolicy(
+        generation=cluster.generation,
+        cluster_name=cluster.name,
+        cluster_id=cluster.id,
+        node_id=node.id,
+        instance_group=node.group_name,
+        instance_type=node.instance_type,
+        tiered_storage=TieredStorage(
+            enabled=enabled,
+            memory_percentage=tiered.get("InstanceMemoryAllocationPercentage") if enabled else None,
+        ),
+        memory_budget_bytes=memory_budget_bytes(cluster, node.instance_type, memory_scale),
+        in_memory_retention=checkpoint.in_memory_retention,
+        replication=Replication(factor=checkpoint.replication_factor if enabled else 0, peers=tuple(peers)),
+        s3=S3Policy.model_validate(s3) if s3 is not None else None,
         # Injected faults the agent applies itself (domain/faults.py): S3 faults, in its S3 client.
-        "faults": {"s3": s3_fault_document(cluster)},
+        faults=Faults(s3=S3Fault.model_validate(s3_fault) if s3_fault is not None else None),
         # Who may write to the agent's checkpoint routes (AgentAccess), with the token's hash.
-        "checkpoint_access": checkpoint.access_document(cluster.checkpoint_token),
-    }
+        checkpoint_access=CheckpointAccess.model_validate(
+            checkpoint.access_document(cluster.checkpoint_token)
+        ),
+    )

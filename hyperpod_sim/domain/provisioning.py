@@ -86,7 +86,7 @@ class Provisioner(Protocol):
 
     def partition_agent(self, node: Node, *, fault_id: str, until: float) -> list[int]:
         """Cut the node off from the control plane until ``until`` (epoch seconds) or until healed
-        (hyperpod_sim/agents/partition.py); trainers and peers still reach it. The pids of its agent."""
+        (hyperpod_sim/contracts/partition.py); trainers and peers still reach it. The pids of its agent."""
 
     def heal_agent(self, node: Node) -> bool:
         """End the node's partition; whether it had one."""

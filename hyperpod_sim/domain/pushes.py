@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from hyperpod_sim.contracts.agent_api import POLICY_PATH
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.agent_client import AgentConnection, AgentUnreachable, Answer
 from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
@@ -98,7 +99,7 @@ class PolicyPusher:
         """Push a node's policy; with ``reset``, one the agent takes even though it is older than
         the one it has (the control plane's token is the authority). Never raises: whatever goes
         wrong (a connect error, an endpoint it cannot even parse) is this node's error only."""
-        generation = int(push.policy["generation"])
+        generation = push.policy.generation
         try:
             answer = self._put_policy(push, reset=reset)
         except AgentUnreachable as exc:
@@ -119,7 +120,8 @@ class PolicyPusher:
     def _put_policy(self, push: Push, *, reset: bool) -> Answer:
         """One PUT /v1/policy on a connection of its own."""
         with AgentConnection(push.endpoint, token=push.token, timeout=self.config.timeout_s) as agent:
-            return agent.call("PUT", "/v1/policy?reset=true" if reset else "/v1/policy", body=push.policy)
+            path = f"{POLICY_PATH}?reset=true" if reset else POLICY_PATH
+            return agent.call("PUT", path, body=push.policy.document())
 
     def record(self, cluster_id: str, results: list[PushResult]) -> set[str]:
         """Record what the agents answered; the nodes to push again with a reset (their agents are

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from hyperpod_sim.agents import partition
+from hyperpod_sim.contracts import partition
 from hyperpod_sim.domain import credentials
 from hyperpod_sim.domain.provisioning import ExternalProvisioner, Provisioner, SimulatedProvisioner
 from hyperpod_sim.infra.processes import (

@@ -19,11 +19,9 @@ link and exactly the size expected (``open_shared``); for anything else it logs 
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import functools
-import json
 import logging
 import mmap
 import os
@@ -36,7 +34,26 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
-import xxhash
+
+from hyperpod_sim.contracts.agent_api import (
+    CP_LATEST_ROUTE,
+    CP_NAMESPACE_ROUTE,
+    CP_SHARD_ROUTE,
+    FAST_ABORT_ROUTE,
+    FAST_COMMIT_ROUTE,
+    FAST_RELEASE_ROUTE,
+    FAST_RESERVE_ROUTE,
+    FAST_SHARD_ROUTE,
+    agent_path,
+)
+from hyperpod_sim.contracts.shards import (
+    SHARD_META,
+    TIER_HEADER,
+    ShardMetaError,
+    checksum_of,
+    parse_shard_meta,
+    shard_meta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +132,6 @@ def open_shared(root: str | os.PathLike[str], path: object, *, size: int, writab
         os.close(fd)
         raise
     return fd
-
-
-def checksum(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
-    """base64 of the xxh3_128 digest (the protocol's ``Shard-Meta`` checksum)."""
-    return base64.b64encode(xxhash.xxh3_128_digest(data)).decode("ascii")
 
 
 def discover_agent_url(environ: dict[str, str] | None = None) -> str:
@@ -231,7 +243,7 @@ class AgentClient:
         known = self._namespaces.get(namespace)
         if known is not None and int(known["num_ranks"]) == num_ranks:
             return known
-        path = f"/v1/cp/namespaces/{quote(namespace, safe='')}"
+        path = agent_path(CP_NAMESPACE_ROUTE, namespace=namespace)
         response = self._call("GET", path)
         if response.status_code == 404:
             response = self._call(
@@ -252,7 +264,7 @@ class AgentClient:
 
     def latest(self, namespace: str, *, limit: int = 5) -> list[int]:
         response = self._call(
-            "GET", f"/v1/cp/checkpoints/{quote(namespace, safe='')}/latest", params={"limit": limit}
+            "GET", agent_path(CP_LATEST_ROUTE, namespace=namespace), params={"limit": limit}
         )
         if response.status_code == 404:
             return []
@@ -261,14 +273,14 @@ class AgentClient:
         return [int(s) for s in response.json()]
 
     def put(self, namespace: str, rank: int, step: int, data: bytes | bytearray | memoryview) -> None:
-        meta = json.dumps({"checksum": checksum(data), "algorithm": "xxh3_128"})
+        meta = shard_meta(checksum_of(data))
         view = memoryview(data).cast("B")
         # In 1 MiB pieces: httpcore sends a bytes body by slicing off what each send took, which
         # copies the rest every time (a 1 GiB body took minutes); the length is known up front.
         pieces = (bytes(view[i : i + CHUNK]) for i in range(0, len(view), CHUNK))
         response = self._call(
-            "POST", f"/v1/cp/checkpoints/{quote(namespace, safe='')}/{rank}/{step}", content=pieces,
-            headers={"Shard-Meta": meta, "Content-Length": str(len(view))},
+            "POST", agent_path(CP_SHARD_ROUTE, namespace=namespace, rank=rank, step=step), content=pieces,
+            headers={SHARD_META: meta, "Content-Length": str(len(view))},
         )  # fmt: skip
         if response.status_code != 200:
             raise self._fail(response, f"save of rank {rank} step {step}")
@@ -276,15 +288,18 @@ class AgentClient:
     def get(self, namespace: str, rank: int, step: int) -> tuple[bytes, str] | None:
         """The shard's bytes (verified by the agent, checked again here) and the tier that served
         them (memory, replica, peer, s3); None if no good copy exists anywhere."""
-        response = self._call("GET", f"/v1/cp/checkpoints/{quote(namespace, safe='')}/{rank}/{step}")
+        response = self._call("GET", agent_path(CP_SHARD_ROUTE, namespace=namespace, rank=rank, step=step))
         if response.status_code == 404:
             return None
         if response.status_code != 200:
             raise self._fail(response, f"read of rank {rank} step {step}")
-        expected = json.loads(response.headers["shard-meta"])["checksum"]
-        if checksum(response.content) != expected:
+        try:
+            expected = parse_shard_meta(response.headers.get(SHARD_META))
+        except ShardMetaError as exc:
+            raise AgentError(f"rank {rank} step {step} arrived without a usable checksum: {exc}") from exc
+        if checksum_of(response.content) != expected:
             raise AgentError(f"rank {rank} step {step} arrived corrupted (checksum mismatch)")
-        return response.content, response.headers.get("x-hpsim-tier", "memory")
+        return response.content, response.headers.get(TIER_HEADER, "memory")
 
     # ------------------------------------------------------------------ fast path
 
@@ -294,7 +309,9 @@ class AgentClient:
         if not self.fast_path:
             return None
         response = self._call(
-            "POST", f"/v1/fast/reserve/{quote(namespace, safe='')}/{rank}/{step}", params={"size": size}
+            "POST",
+            agent_path(FAST_RESERVE_ROUTE, namespace=namespace, rank=rank, step=step),
+            params={"size": size},
         )
         if response.status_code != 200:
             raise self._fail(response, f"reservation for rank {rank} step {step}")
@@ -355,7 +372,9 @@ class AgentClient:
         with contextlib.suppress(BufferError):  # staged tensors may still view it: harmless
             write.view.release()
         response = self._call(
-            "POST", f"/v1/fast/commit/{write.token}", params={"size": write.size if size is None else size}
+            "POST",
+            agent_path(FAST_COMMIT_ROUTE, token=write.token),
+            params={"size": write.size if size is None else size},
         )
         if response.status_code != 200:
             raise self._fail(response, "commit")
@@ -386,7 +405,7 @@ class AgentClient:
 
     def abort(self, token: str) -> None:
         with contextlib.suppress(AgentError):  # else the agent gives it back at its deadline
-            self._call("POST", f"/v1/fast/abort/{token}")
+            self._call("POST", agent_path(FAST_ABORT_ROUTE, token=token))
 
     def read_local(self, namespace: str, rank: int, step: int) -> LocalCopy | None:
         """This node's copy of a shard, mapped read-only, with its tier and checksum; None if this
@@ -398,7 +417,7 @@ class AgentClient:
         not map and fault it in again."""
         if not self.fast_path:
             return None
-        response = self._call("GET", f"/v1/fast/shards/{quote(namespace, safe='')}/{rank}/{step}")
+        response = self._call("GET", agent_path(FAST_SHARD_ROUTE, namespace=namespace, rank=rank, step=step))
         if response.status_code != 200:
             return None
         try:
@@ -448,7 +467,7 @@ class AgentClient:
 
     def _release(self, lease: str) -> None:
         with contextlib.suppress(AgentError):  # else the lease runs out at the agent
-            self._call("POST", f"/v1/fast/release/{lease}")
+            self._call("POST", agent_path(FAST_RELEASE_ROUTE, lease=lease))
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from hyperpod_sim.sdk.agent import checksum
+from hyperpod_sim.contracts.shards import checksum_of
 
 
 class FakeAgent:
@@ -94,7 +94,7 @@ class FakeAgent:
                 return 200, {
                     "path": str(where),
                     "size": len(data),
-                    "checksum": checksum(data),
+                    "checksum": checksum_of(data),
                     "buffer_id": f"r{rank}",
                     "tier": "memory",
                     "lease": "l0",
@@ -116,7 +116,7 @@ class FakeAgent:
                 status, answer = agent.answer(self.command, url.path, parse_qs(url.query), body)
                 self.send_response(status)
                 if isinstance(answer, bytes):
-                    meta = json.dumps({"checksum": checksum(answer), "algorithm": "xxh3_128"})
+                    meta = json.dumps({"checksum": checksum_of(answer), "algorithm": "xxh3_128"})
                     self.send_header("Shard-Meta", meta)
                     self.send_header("X-Hpsim-Tier", "memory")
                     data = answer

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import save
 
-from hyperpod_sim.sdk.agent import checksum
+from hyperpod_sim.contracts.shards import checksum_of
 from hyperpod_sim.sdk.checkpoint import TieredCheckpointConfig, TieredStorageWriter, load_latest
 from hyperpod_sim.sdk.metadata import VALUE_MAGIC
 from tests.conftest import ControlPlane, wait_for
@@ -176,7 +176,7 @@ def test_a_pickle_planted_on_s3_never_runs(
     for doc in commit["shards"]:
         key, body = doc["key"].replace("/step_1/", "/step_2/"), objects[doc["rank"]]
         s3.put_object(Bucket=bucket, Key=key, Body=body)
-        shards.append({**doc, "key": key, "size": len(body), "checksum": checksum(body)})
+        shards.append({**doc, "key": key, "size": len(body), "checksum": checksum_of(body)})
     forged = {**commit, "step": 2, "shards": shards}
     s3.put_object(Bucket=bucket, Key=f"p/{NS}/_committed/step_2.json", Body=json.dumps(forged).encode())
     wait_for(lambda: latest(agent, NS)[:2] == [2, 1], timeout=30, what="the forged step listed")

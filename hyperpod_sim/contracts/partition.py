@@ -1,4 +1,5 @@
-"""A network partition between this node and the control plane (the ``NetworkPartition`` fault).
+"""The NetworkPartition rule between a node and the control plane, as the local provisioner writes
+it and the node's agent reads it (the ``NetworkPartition`` fault).
 
 The local provisioner cuts a node off by writing ``network-partition.json`` into the node's data
 directory, as a chaos tool installs a firewall rule on a real node: ``{"fault_id": ..., "until":
@@ -7,7 +8,7 @@ directory, as a chaos tool installs a firewall rule on a real node: ``{"fault_id
 - its calls to the control plane (registration, heartbeats, policy pulls, namespace lookups,
   events) fail at once with a connection error, before a byte is sent;
 - requests from the control plane (policy pushes, the checkpoint catalog's queries; they say so in
-  their ``User-Agent``) have their connection closed without an answer.
+  their ``User-Agent``, ``CONTROL_PLANE_AGENT``) have their connection closed without an answer.
 
 Trainers, peer agents and S3 are not the control plane: saves, reads, replication and S3
 persistence go on. The rule ends when the file is removed (the fault is cleared, ends, or its
@@ -22,9 +23,9 @@ import os
 import time
 from pathlib import Path
 
+from hyperpod_sim.contracts.agent_api import CONTROL_PLANE_AGENT
+
 FILE_NAME = "network-partition.json"
-#: The ``User-Agent`` prefix of the control plane's requests to agents.
-CONTROL_PLANE_AGENT = "hyperpod-sim-control-plane"
 
 
 def write_rule(data_dir: Path, *, fault_id: str, until: float) -> None:

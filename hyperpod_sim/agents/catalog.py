@@ -1,0 +1,76 @@
+"""Which steps of a namespace are complete, as pure functions of the indexes the agents hold, and
+the one place that gathers those indexes (this node's store and every other agent's).
+
+A step is complete when every rank of the namespace (the metadata rank included) is held somewhere
+in the cluster: a step that a crash left half-written is never listed (docs/memory-tier.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import quote
+
+from hyperpod_sim.agents.cluster import ClusterView
+from hyperpod_sim.agents.store import ShardInfo, ShardStore
+
+Held = Mapping[int, Iterable[int]]  # step -> ranks
+
+
+def merge(indexes: Iterable[Held]) -> dict[int, set[int]]:
+    """The union of several ``step -> ranks`` indexes."""
+    held: dict[int, set[int]] = {}
+    for index in indexes:
+        for step, ranks in index.items():
+            held.setdefault(step, set()).update(ranks)
+    return held
+
+
+def complete_steps(num_ranks: int, indexes: Iterable[Held]) -> list[int]:
+    """The steps whose every rank ``0..num_ranks-1`` one of ``indexes`` holds, newest first."""
+    everyone = set(range(num_ranks))
+    return sorted((step for step, ranks in merge(indexes).items() if everyone <= ranks), reverse=True)
+
+
+def local_index(shards: Iterable[ShardInfo], node_id: str | None) -> dict[str, Any]:
+    """This node's index of a namespace, as ``/v1/internal/index`` answers it: ``steps`` every
+    copy, ``primary`` this node's own shards, ``replica`` the copies it holds of other nodes'
+    shards (``steps`` is their union); steps and ranks in order."""
+    held: dict[str, dict[int, set[int]]] = {"steps": {}, "primary": {}, "replica": {}}
+    for info in shards:
+        kind = "primary" if info.replica_of is None else "replica"
+        for member in ("steps", kind):
+            held[member].setdefault(info.key.step, set()).add(info.key.rank)
+    index: dict[str, Any] = {"node_id": node_id}
+    for member, steps in held.items():
+        index[member] = {str(step): sorted(ranks) for step, ranks in sorted(steps.items())}
+    return index
+
+
+def steps_of(index: dict[str, Any]) -> dict[int, list[int]]:
+    """The ``steps`` member of a peer's index: step -> ranks it holds."""
+    return {int(step): ranks for step, ranks in index["steps"].items()}
+
+
+def retention_plan(
+    steps_with_marker: Iterable[int], steps_with_objects: Iterable[int], retention: int | None
+) -> tuple[set[int], set[int]]:
+    """What S3 retention deletes: (committed steps beyond the newest ``retention`` (0 or None: all kept),
+    steps below the newest committed one that have objects but never got a marker)."""
+    committed = sorted(set(steps_with_marker), reverse=True)
+    if not committed:
+        return set(), set()
+    doomed = set(committed[retention:]) if retention else set()
+    abandoned = {s for s in steps_with_objects if s < committed[0] and s not in committed}
+    return doomed, abandoned
+
+
+async def cluster_complete_steps(cluster: ClusterView, store: ShardStore, name: str) -> list[int]:
+    """The complete steps of ``name`` across the cluster, newest first: this node's store and the
+    index of every agent that answers."""
+    namespace = await cluster.namespace(name)
+    indexes: list[Held] = [store.steps(name)]
+    for _, response in await cluster.fan_out("GET", f"/v1/internal/index/{quote(name, safe='')}"):
+        if response.status_code == 200:
+            indexes.append(steps_of(response.json()))
+    return complete_steps(namespace.num_ranks, indexes)

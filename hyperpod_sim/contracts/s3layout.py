@@ -1,0 +1,152 @@
+"""The S3 side of a checkpoint: where each object of a step goes, and the commit marker.
+
+Layout under a base URI ``s3://bucket/prefix`` (the default layout of the public
+``amzn-sagemaker-checkpointing`` library, so its S3 reader finds what the agents persisted)::
+
+    prefix/<ns>/rank_<r>/step_<n>/checkpoint.pt       rank r's shard (r < world size)
+    prefix/<ns>/rank_0/step_<n>/metadata.metadata     the metadata shard (in memory: rank world size)
+    prefix/<ns>/_committed/step_<n>.json              the commit marker, written last
+
+The library lists ``rank_<r>/`` prefixes only, so it never sees ``_committed/``. Each shard object
+carries its xxh3_128 (base64, as in ``Shard-Meta``) in the ``x-amz-meta-xxh3-128`` header. A step is
+on S3 once its marker is: the agents write it after every shard, and readers trust nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from hyperpod_sim.contracts.policy import S3Policy
+from hyperpod_sim.contracts.shards import ALGORITHM
+
+CHECKSUM_META = "xxh3-128"  # the object metadata key of a shard's checksum
+MARKER_DIR = "_committed"
+MARKER_FORMAT = "hyperpod-sim/commit-marker"
+MARKER_VERSION = 1
+DEFAULT_REGION = "us-east-1"
+_STEP_IN_KEY = re.compile(r"/step_(\d+)(?:/|\.json$)")
+
+
+@dataclass(frozen=True)
+class S3Target:
+    """Where and how often a cluster's agents persist, from the ``s3`` member of a node policy."""
+
+    base_uri: str
+    bucket: str
+    prefix: str  # without leading or trailing "/"; "" for the bucket's root
+    endpoint_url: str | None
+    region: str
+    every_steps: int | None
+    every_seconds: float | None
+    retention: int | None
+
+    @classmethod
+    def from_policy(cls, s3: S3Policy | None, *, endpoint_override: str | None = None) -> S3Target | None:
+        """The target a policy names, or None (no S3 persistence). ValueError if its base URI is
+        not an S3 URI with a bucket."""
+        if s3 is None:
+            return None
+        uri = s3.base_uri
+        if not uri.startswith("s3://"):
+            raise ValueError(f"the S3 base URI must start with s3://, got {uri!r}")
+        bucket, _, prefix = uri[5:].partition("/")
+        if not bucket:
+            raise ValueError(f"the S3 base URI {uri!r} names no bucket")
+        steps, seconds, retention = s3.persist_every_steps, s3.persist_every_seconds, s3.retention
+        return cls(
+            base_uri=uri.rstrip("/"),
+            bucket=bucket,
+            prefix=prefix.strip("/"),
+            endpoint_url=endpoint_override or s3.endpoint_url or None,
+            region=s3.region or DEFAULT_REGION,
+            every_steps=steps or None,
+            every_seconds=float(seconds) if seconds else None,
+            retention=retention or None,
+        )
+
+    @classmethod
+    def from_uri(cls, base_uri: str) -> S3Target:
+        """The target of a bare base URI (a trainer reading S3 directly); ValueError if not one."""
+        target = cls.from_policy(S3Policy(base_uri=base_uri))
+        assert target is not None
+        return target
+
+    def namespace_prefix(self, namespace: str) -> str:
+        return f"{self.prefix}/{namespace}/" if self.prefix else f"{namespace}/"
+
+    def shard_key(self, namespace: str, rank: int, step: int, num_ranks: int) -> str:
+        """The object of one shard. The metadata shard is the last rank of a namespace of at least
+        two ranks (the library's convention: ``num_ranks = world_size + 1``)."""
+        base = self.namespace_prefix(namespace)
+        if num_ranks >= 2 and rank == num_ranks - 1:
+            return f"{base}rank_0/step_{step}/metadata.metadata"
+        return f"{base}rank_{rank}/step_{step}/checkpoint.pt"
+
+    def marker_prefix(self, namespace: str) -> str:
+        return f"{self.namespace_prefix(namespace)}{MARKER_DIR}/"
+
+    def marker_key(self, namespace: str, step: int) -> str:
+        return f"{self.marker_prefix(namespace)}step_{step}.json"
+
+
+@dataclass(frozen=True)
+class ShardObject:
+    """One shard as it is on S3 (what a commit marker lists)."""
+
+    rank: int
+    key: str
+    size: int
+    checksum: str
+
+    def doc(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "key": self.key,
+            "size": self.size,
+            "checksum": self.checksum,
+            "algorithm": ALGORITHM,
+        }
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> ShardObject:
+        return cls(int(doc["rank"]), str(doc["key"]), int(doc["size"]), str(doc["checksum"]))
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """The object that makes a step visible on S3, written after all of its shards."""
+
+    namespace: str
+    step: int
+    num_ranks: int
+    committed_at: float  # epoch seconds
+    committed_by: str | None  # the node id of the agent that wrote it
+    shards: tuple[ShardObject, ...]
+
+    def doc(self) -> dict[str, Any]:
+        return {
+            "format": MARKER_FORMAT,
+            "version": MARKER_VERSION,
+            "namespace": self.namespace,
+            "step": self.step,
+            "num_ranks": self.num_ranks,
+            "committed_at": self.committed_at,
+            "committed_by": self.committed_by,
+            "shards": [shard.doc() for shard in self.shards],
+        }
+
+    @staticmethod
+    def shard_of(raw: bytes, rank: int) -> ShardObject | None:
+        """The object of ``rank`` that a marker's bytes list, or None; ValueError, KeyError or
+        TypeError if they are not a marker."""
+        doc = json.loads(raw)
+        return next((ShardObject.from_doc(d) for d in doc["shards"] if d["rank"] == rank), None)
+
+
+def step_of_key(key: str) -> int | None:
+    """The step an object of the layout belongs to, or None."""
+    match = _STEP_IN_KEY.search(key)
+    return int(match.group(1)) if match else None

@@ -1,0 +1,76 @@
+"""A shard's checksum and the ``Shard-Meta`` header that carries it (docs/memory-tier.md).
+
+Every copy of a shard (a trainer's upload, a replica, an S3 object, a same-host read) is checked
+against the base64 of its 16-byte xxh3_128 digest, the checksum amzn-sagemaker-checkpointing sends
+in ``Shard-Meta: {"checksum": "...", "algorithm": "xxh3_128"}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import mmap
+
+import xxhash
+
+ALGORITHM = "xxh3_128"
+DIGEST_BYTES = 16
+SHARD_META = "Shard-Meta"
+# Which tier served a shard: memory (this node's own), replica, peer or s3.
+TIER_HEADER = "X-Hpsim-Tier"
+
+Bytes = bytes | bytearray | memoryview | mmap.mmap
+
+
+def checksum_of(data: Bytes) -> str:
+    """base64 of the 16-byte xxh3_128 digest of ``data`` (the Shard-Meta checksum)."""
+    return base64.b64encode(xxhash.xxh3_128_digest(data)).decode("ascii")
+
+
+class Checksum:
+    """``checksum_of`` of bytes that come in pieces: ``update`` each, then ``text()``."""
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_128()
+
+    def update(self, data: Bytes) -> None:
+        self._hasher.update(data)
+
+    def text(self) -> str:
+        return base64.b64encode(self._hasher.digest()).decode("ascii")
+
+
+def shard_meta(checksum: str) -> str:
+    """The ``Shard-Meta`` header of a shard with this checksum."""
+    return json.dumps({"checksum": checksum, "algorithm": ALGORITHM})
+
+
+class ShardMetaError(ValueError):
+    """A ``Shard-Meta`` header that cannot be used; ``error`` is the code an agent answers with."""
+
+    def __init__(self, error: str, message: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+def parse_shard_meta(header: str | None) -> str:
+    """The base64 xxh3_128 checksum a ``Shard-Meta`` header carries; ShardMetaError (with the
+    error code MissingShardMeta, InvalidShardMeta or UnsupportedAlgorithm) if it is not usable."""
+    if not header:
+        raise ShardMetaError("MissingShardMeta", "the Shard-Meta header (checksum of the shard) is required")
+    try:
+        meta = json.loads(header)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+        checksum = meta["checksum"]
+        algorithm = meta.get("algorithm", ALGORITHM)
+        if len(base64.b64decode(checksum, validate=True)) != DIGEST_BYTES:
+            raise ValueError("not a 16-byte digest")
+    except (ValueError, KeyError, TypeError, RecursionError, binascii.Error) as exc:
+        raise ShardMetaError(
+            "InvalidShardMeta", f"the Shard-Meta header is not usable: {str(exc)[:200]}"
+        ) from exc
+    if algorithm != ALGORITHM:
+        raise ShardMetaError("UnsupportedAlgorithm", f"checksum algorithm {algorithm!r}; only {ALGORITHM}")
+    return str(checksum)

@@ -1,0 +1,80 @@
+"""The configuration of a job's tiered checkpoints (``TieredCheckpointConfig``), the agent client
+it uses, and the errors the DCP writer and reader raise (``sdk/checkpoint.py`` has the overview)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from hyperpod_sim.sdk.agent import AgentClient, discover_agent_url, shm_root_from
+
+_STEP_ID = re.compile(r"(?:^|/)step_(\d+)/?$")
+_clients: dict[tuple[str, bool, str], AgentClient] = {}
+
+
+class CheckpointNotFound(FileNotFoundError):
+    """No complete step could be loaded from any tier."""
+
+
+class IntegrityError(ValueError):
+    """A copy of a shard not to use: its checksum does not match, a value in it does not decode,
+    or its metadata places an item outside it. The reader moves on to another copy."""
+
+
+def client_for(url: str, *, fast_path: bool = True, shm_root: str | None = None) -> AgentClient:
+    """One client per agent URL and process, so mapped buffers are reused from step to step."""
+    root = shm_root or shm_root_from()
+    key = (url, fast_path, root)
+    if key not in _clients:
+        _clients[key] = AgentClient(url, fast_path=fast_path, shm_root=root)
+    return _clients[key]
+
+
+@dataclass
+class TieredCheckpointConfig:
+    """What ``SageMakerCheckpointConfig`` is to the library: the job's checkpoint namespace.
+
+    ``world_size``: ranks of the job (the namespace holds ``world_size + 1`` ranks: the metadata
+    is the last). ``agent_url``: this node's agent (default: from the environment, see
+    ``sdk.agent.discover_agent_url``). ``s3_tier_base_path``: the cluster's S3 base URI; when set,
+    a reader whose agent has no good copy reads committed steps from S3 directly. ``fast_path``:
+    write and read the agent's shared memory directly when it is reachable from this process.
+    ``shm_root``: the only directory whose files the fast path maps (default
+    ``HPSIM_SIMULATION__SHM_ROOT``, else ``/dev/shm/hpsim``; see ``sdk.agent.open_shared``).
+    """
+
+    namespace: str
+    world_size: int
+    agent_url: str | None = None
+    s3_tier_base_path: str = ""
+    steps_retained: int = 3
+    fast_path: bool = True
+    shm_root: str | None = None
+    logger: logging.Logger | None = field(default=None, repr=False)
+
+    def client(self) -> AgentClient:
+        return client_for(
+            self.agent_url or discover_agent_url(), fast_path=self.fast_path, shm_root=self.shm_root
+        )
+
+    @property
+    def metadata_rank(self) -> int:
+        return self.world_size
+
+
+def step_of(checkpoint_id: str | os.PathLike[str] | None) -> int | None:
+    """The step of a ``step_N`` checkpoint id (or path ending in it); None for None."""
+    if checkpoint_id is None:
+        return None
+    match = _STEP_ID.search(str(checkpoint_id))
+    if match is None:
+        raise ValueError(f"checkpoint id {str(checkpoint_id)!r} does not end in step_<N>")
+    return int(match.group(1))
+
+
+def current_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

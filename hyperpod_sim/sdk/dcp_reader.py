@@ -1,0 +1,320 @@
+"""The DCP storage reader of a tiered checkpoint (``hyperpod_sim/sdk/checkpoint.py`` has the overview).
+
+DCP calls it in the order ``torch/distributed/checkpoint/storage.py`` documents: ``reset``,
+``read_metadata``, ``set_up_storage_reader``, ``prepare_local_plan``, ``prepare_global_plan``,
+``read_data`` (a Future). Every copy's checksum is verified before a byte of it is decoded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+)
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from hyperpod_sim.contracts.shards import Checksum, checksum_of
+from hyperpod_sim.sdk import metadata as codec
+from hyperpod_sim.sdk.agent import AgentError
+from hyperpod_sim.sdk.checkpoint_config import (
+    CheckpointNotFound,
+    IntegrityError,
+    TieredCheckpointConfig,
+    step_of,
+)
+from hyperpod_sim.sdk.dcp_writer import TieredStorageWriter
+from hyperpod_sim.sdk.metadata import ShardRef, UndecodableValue
+from hyperpod_sim.sdk.s3direct import read_shard
+
+log = logging.getLogger(__name__)
+
+
+class TieredStorageReader(StorageReader):
+    """DCP storage reader (``SageMakerTieredStorageReader``'s counterpart): a given step, or the
+    newest complete one. ``served_by`` tells, per rank shard read, which tier served it;
+    ``rejected``, per rank, every copy not used and why (``"memory: checksum mismatch"``)."""
+
+    def __init__(self, checkpoint_config: TieredCheckpointConfig, step: int | None = None) -> None:
+        super().__init__()
+        self.config = checkpoint_config
+        self.step = step
+        self._client = checkpoint_config.client()
+        self.storage_data: dict[MetadataIndex, ShardRef] = {}
+        self.served_by: dict[int, str] = {}
+        self.rejected: dict[int, list[str]] = {}
+        self.failure: str | None = None  # why the last read failed
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        step = step_of(checkpoint_id)
+        if step is not None:
+            self.step = step
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return TieredStorageWriter.validate_checkpoint_id(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        candidates = (
+            [self.step] if self.step is not None else self._client.latest(self.config.namespace, limit=10)
+        )
+        problems = []
+        rank = self.config.metadata_rank
+        for step in candidates:
+            for data, tier in self._copies(rank, step, local=True):
+                try:
+                    metadata = codec.decode(data)
+                except ValueError as exc:
+                    self._reject(rank, step, tier, str(exc))
+                    continue
+                self.step = step
+                return metadata
+            problems.append(f"step {step}: {self._no_copy(rank, step)}")
+        self.failure = (
+            f"no loadable step of namespace {self.config.namespace!r}: {'; '.join(problems) or 'none saved'}"
+        )
+        raise CheckpointNotFound(self.failure)
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        future: Future[None] = Future()
+        try:
+            self._read(plan, planner)
+            future.set_result(None)
+        except Exception as exc:
+            self.failure = str(exc)
+            future.set_exception(exc)  # type: ignore[arg-type]
+        return future
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        assert self.step is not None
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items) and not _assigns_values(planner):
+            raise TypeError(
+                f"{type(planner).__name__} overrides load_bytes: the tiered reader decodes non-tensor "
+                "values itself (never with torch.load(weights_only=False)) and assigns them as "
+                "DefaultLoadPlanner does; use a planner that keeps DefaultLoadPlanner.load_bytes"
+            )
+        by_rank: dict[int, list[Any]] = {}
+        for item in plan.items:
+            by_rank.setdefault(self.storage_data[item.storage_index].rank, []).append(item)
+        for rank, items in sorted(by_rank.items()):
+            self._read_rank(rank, self.step, items, planner)
+
+    def _read_rank(self, rank: int, step: int, items: list[Any], planner: LoadPlanner) -> None:
+        """Apply a rank's items from the first copy that is intact: this node's copy, mapped (its
+        checksum verified before anything in it is decoded), then the others ``_copies`` yields."""
+        local = self._client.read_local(self.config.namespace, rank, step)
+        if local is not None:
+            where = f"{local.tier} (this node, mapped)"
+            try:
+                self._apply(items, local.view, planner, expected=local.checksum)
+            except IntegrityError as exc:
+                self._reject(rank, step, where, str(exc))
+            else:
+                self._served(rank, local.tier)
+                return
+            finally:
+                with contextlib.suppress(BufferError):  # a view of it still alive: harmless
+                    local.view.release()
+                local.release()
+        for data, tier in self._copies(rank, step, local=False):
+            try:
+                self._apply(items, data, planner)
+            except IntegrityError as exc:
+                self._reject(rank, step, tier, str(exc))
+                continue
+            self._served(rank, tier)
+            return
+        raise CheckpointNotFound(self._no_copy(rank, step))
+
+    def _no_copy(self, rank: int, step: int) -> str:
+        reasons = self.rejected.get(rank, [])
+        return f"rank {rank} of step {step} of {self.config.namespace!r}: no good copy in any tier" + (
+            f" (rejected: {'; '.join(reasons)})" if reasons else ""
+        )
+
+    def _reject(self, rank: int, step: int, where: str, why: str, *, integrity: bool = True) -> None:
+        """Record (and log) a copy not used: an integrity failure, or a tier that could not answer."""
+        self.rejected.setdefault(rank, []).append(f"{where}: {why}")
+        kind = "integrity failure" if integrity else "unavailable"
+        log.warning(
+            "%s: %s copy of rank %d step %d of %r not used: %s",
+            kind, where, rank, step, self.config.namespace, why,
+        )  # fmt: skip
+
+    def _served(self, rank: int, tier: str) -> None:
+        self.served_by[rank] = tier
+        log.info("rank %d of step %s of %r served by %s", rank, self.step, self.config.namespace, tier)
+
+    def _apply(
+        self, items: list[Any], data: Any, planner: LoadPlanner, *, expected: str | None = None
+    ) -> None:
+        """Load ``items`` from one copy of a shard; IntegrityError (nothing decoded) if the copy is
+        not intact. ``expected``: the checksum of a copy that is mapped, not yet verified: the
+        value records are copied out and hashed as part of the shard, so what is decoded is what
+        was verified. Non-tensor values are decoded (``decode_value``: JSON, or PyTorch's
+        allow-list unpickler) and assigned only once every item of the copy has loaded."""
+        size = len(data)
+        for item in items:
+            ref = self.storage_data[item.storage_index]
+            if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > size:
+                raise IntegrityError(
+                    f"{item.storage_index.fqn}: bytes {ref.offset}..{ref.offset + ref.length} lie outside "
+                    f"the {size}-byte shard"
+                )
+        spans = [
+            (ref.offset, ref.length)
+            for item in items
+            if item.type == LoadItemType.BYTE_IO
+            for ref in [self.storage_data[item.storage_index]]
+        ]
+        records = _verified_records(data, spans, expected) if expected is not None else _records(data, spans)
+        values: list[tuple[Any, Any]] = []
+        for item in items:
+            if item.type == LoadItemType.BYTE_IO:
+                ref = self.storage_data[item.storage_index]
+                try:
+                    values.append((item, codec.decode_value(records[(ref.offset, ref.length)])))
+                except UndecodableValue as exc:
+                    raise IntegrityError(f"{item.storage_index.fqn}: {exc}") from exc
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: we only read from it
+            source = torch.frombuffer(data, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        for item in items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            ref = self.storage_data[item.storage_index]
+            fqn = item.storage_index.fqn
+            if ref.dtype is None or ref.shape is None:
+                raise IntegrityError(f"{fqn}: the metadata has no dtype or shape for a tensor")
+            try:
+                dtype = codec.dtype_of(ref.dtype)
+                numel = 1
+                for dim in ref.shape:
+                    numel *= dim
+                if numel * dtype.itemsize != ref.length or min(ref.shape, default=0) < 0:
+                    raise IntegrityError(
+                        f"{fqn}: {ref.length} bytes cannot hold {ref.dtype}{list(ref.shape)}"
+                    )
+                src = source[ref.offset : ref.offset + ref.length].view(dtype).view(ref.shape)
+            except (RuntimeError, ValueError) as exc:
+                raise IntegrityError(f"{fqn}: {exc}") from exc
+            src = narrow_tensor_by_index(src, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != src.size():
+                raise ValueError(f"{fqn}: stored {tuple(src.size())}, wanted {tuple(target.size())}")
+            target.copy_(src)
+            planner.commit_tensor(item, target)
+            del src
+        del source
+        for item, value in values:
+            _assign(planner, item, value)
+
+    def _copies(self, rank: int, step: int, *, local: bool) -> Iterator[tuple[bytes, str]]:
+        """A rank's shard of a step, copy after copy, each in this process's memory and verified
+        against its checksum (a copy that is not is recorded in ``rejected`` and skipped): this
+        node's shared memory (``local``), the agent (which tries its own copy, the other agents'
+        and replicas, then S3), then S3 directly (with ``s3_tier_base_path``)."""
+        if local:
+            found = self._client.read_local(self.config.namespace, rank, step)
+            if found is not None:
+                try:
+                    data = bytes(found.view)
+                finally:
+                    with contextlib.suppress(BufferError):
+                        found.view.release()
+                    found.release()
+                if checksum_of(data) == found.checksum:
+                    yield data, found.tier
+                else:
+                    self._reject(rank, step, f"{found.tier} (this node, mapped)", "checksum mismatch")
+        try:
+            remote = self._client.get(self.config.namespace, rank, step)
+        except AgentError as exc:  # refused, unreachable, or a copy that arrived corrupted
+            self._reject(rank, step, "agent", str(exc), integrity="corrupted" in str(exc))
+            remote = None
+        if remote is not None:
+            yield remote
+        if self.config.s3_tier_base_path:
+            try:
+                direct = read_shard(self.config.s3_tier_base_path, self.config.namespace, rank, step)
+            except Exception as exc:  # S3 unreachable, a marker that is not one, ...
+                why = f"{type(exc).__name__}: {str(exc)[:300]}"
+                self._reject(rank, step, "s3-direct", why, integrity=False)
+                direct = None
+            if direct is not None:
+                yield direct, "s3-direct"
+
+
+def _records(data: Any, spans: list[tuple[int, int]]) -> dict[tuple[int, int], bytes]:
+    view = memoryview(data)
+    return {(offset, length): bytes(view[offset : offset + length]) for offset, length in spans}
+
+
+def _verified_records(data: Any, spans: list[tuple[int, int]], expected: str) -> dict[tuple[int, int], bytes]:
+    """The bytes of ``spans`` copied out of a mapped shard, and the shard's checksum computed with
+    those copies in their places, so the records decoded are exactly the bytes verified even if
+    the mapping changed meanwhile. IntegrityError on a mismatch."""
+    view = memoryview(data)
+    merged: list[list[int]] = []
+    for offset, length in sorted(spans):
+        if merged and offset <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], offset + length)
+        else:
+            merged.append([offset, offset + length])
+    digest = Checksum()
+    copies: list[tuple[int, bytes]] = []
+    position = 0
+    for start, stop in merged:
+        digest.update(view[position:start])
+        copy = bytes(view[start:stop])
+        digest.update(copy)
+        copies.append((start, copy))
+        position = stop
+    digest.update(view[position:])
+    if digest.text() != expected:
+        raise IntegrityError("checksum mismatch")
+    records: dict[tuple[int, int], bytes] = {}
+    for offset, length in spans:
+        start, copy = next((s, c) for s, c in copies if s <= offset and offset + length <= s + len(c))
+        records[(offset, length)] = copy[offset - start : offset - start + length]
+    return records
+
+
+def _assigns_values(planner: LoadPlanner) -> bool:
+    """Whether values can be assigned as DefaultLoadPlanner.load_bytes does (it is not overridden)."""
+    default = DefaultLoadPlanner.load_bytes
+    return isinstance(planner, DefaultLoadPlanner) and type(planner).load_bytes is default
+
+
+def _assign(planner: LoadPlanner, item: Any, value: Any) -> None:
+    """What DefaultLoadPlanner.load_bytes does with a value, given the value decoded safely."""
+    assert isinstance(planner, DefaultLoadPlanner)
+    fqn = item.dest_index.fqn
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[fqn], value)
+    else:
+        planner.state_dict[fqn] = value

@@ -1,0 +1,117 @@
+"""The contracts package: the node policy model, Shard-Meta, the S3 layout and the route paths,
+without a process or a socket."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pydantic
+import pytest
+import xxhash
+
+from hyperpod_sim.contracts.agent_api import HEARTBEAT_ROUTE, agent_api_path
+from hyperpod_sim.contracts.policy import NodePolicy, PolicyError, S3Policy, parse_policy
+from hyperpod_sim.contracts.s3layout import CommitMarker, S3Target, ShardObject, step_of_key
+from hyperpod_sim.contracts.shards import Checksum, ShardMetaError, checksum_of, parse_shard_meta, shard_meta
+
+SHA = "ab" * 32
+
+
+def test_a_received_policy_echoes_exactly_what_came() -> None:
+    doc = {
+        "generation": 4,
+        "node_id": "i-1",
+        "replication": {"factor": 1, "peers": [{"node_id": "i-2"}]},
+        "s3": {"base_uri": "s3://bucket/p", "persist_every_seconds": 60},
+        "faults": {"s3": {"type": "S3Errors", "error_rate": 1, "until": 1.5}},
+        "checkpoint_access": {"mode": "Token", "token_sha256": SHA},
+        "from_a_newer_control_plane": {"x": 1},
+    }
+    policy = parse_policy(json.loads(json.dumps(doc)))
+    assert policy.document() == doc
+    assert (policy.peer_ids, policy.memory_budget_bytes, policy.tiered_storage.enabled) == (["i-2"], 0, False)
+    assert policy.checkpoint_access.token_required
+    with pytest.raises(pydantic.ValidationError):
+        policy.generation = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ("{}", "a policy document must be a JSON object, got string"),
+        ({"generation": 1.0}, "'generation' must be an integer >= 1, got 1.0"),
+        (
+            {"generation": 2, "tiered_storage": {"enabled": 1}},
+            "'tiered_storage' must be an object with a boolean",
+        ),
+        ({"generation": 2, "replication": {"peers": [{}]}}, "'replication' must be an object {\"factor\""),
+        (
+            {"generation": 2, "s3": {"persist_every_steps": 1}},
+            "'s3' must be an object with a string 'base_uri'",
+        ),
+        ({"generation": 2, "checkpoint_access": {"mode": "Token", "token_sha256": "x"}}, "64 hex digits"),
+    ],
+)
+def test_a_document_that_is_not_a_policy_names_its_first_wrong_member(doc: object, message: str) -> None:
+    with pytest.raises(PolicyError) as raised:
+        parse_policy(doc)
+    assert message in str(raised.value)
+
+
+def test_shard_meta_round_trip_and_its_refusals() -> None:
+    data = b"shard bytes"
+    assert checksum_of(data) == base64.b64encode(xxhash.xxh3_128_digest(data)).decode()
+    assert parse_shard_meta(shard_meta(checksum_of(data))) == checksum_of(data)
+    pieces = Checksum()
+    for piece in (data[:5], memoryview(data)[5:]):
+        pieces.update(piece)
+    assert pieces.text() == checksum_of(data)
+    for header, error in [
+        (None, "MissingShardMeta"),
+        ("[1]", "InvalidShardMeta"),
+        (json.dumps({"checksum": "AAAA"}), "InvalidShardMeta"),
+        (json.dumps({"checksum": checksum_of(data), "algorithm": "crc32"}), "UnsupportedAlgorithm"),
+    ]:
+        with pytest.raises(ShardMetaError) as raised:
+            parse_shard_meta(header)
+        assert raised.value.error == error
+
+
+def test_s3_layout_and_commit_marker() -> None:
+    target = S3Target.from_policy(S3Policy(base_uri="s3://bucket/run/", persist_every_steps=10))
+    assert target is not None
+    assert (target.bucket, target.prefix, target.region, target.every_steps) == (
+        "bucket",
+        "run",
+        "us-east-1",
+        10,
+    )
+    assert target.shard_key("job", 1, 7, num_ranks=3) == "run/job/rank_1/step_7/checkpoint.pt"
+    assert target.shard_key("job", 2, 7, num_ranks=3) == "run/job/rank_0/step_7/metadata.metadata"
+    assert target.marker_key("job", 7) == "run/job/_committed/step_7.json"
+    assert [step_of_key(target.marker_key("job", 7)), step_of_key("run/job/other")] == [7, None]
+    with pytest.raises(ValueError, match="names no bucket"):
+        S3Target.from_uri("s3:///prefix")
+
+    shard = ShardObject(0, target.shard_key("job", 0, 7, num_ranks=3), 11, checksum_of(b"shard bytes"))
+    marker = CommitMarker("job", 7, 3, 1.0, "i-1", (shard,))
+    raw = json.dumps(marker.doc()).encode()
+    assert json.loads(raw)["format"] == "hyperpod-sim/commit-marker"
+    assert (CommitMarker.shard_of(raw, 0), CommitMarker.shard_of(raw, 1)) == (shard, None)
+
+
+def test_route_paths_quote_each_segment() -> None:
+    assert agent_api_path(HEARTBEAT_ROUTE, cluster="a/b", node_id="i-1") == (
+        "/agent/v1/clusters/a%2Fb/nodes/i-1/heartbeat"
+    )
+
+
+def test_the_protocol_doc_shows_every_member_of_the_policy() -> None:
+    """docs/agent-protocol.md's example policy is a valid one and has the model's members, no more."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "agent-protocol.md").read_text()
+    example = text.split("## Policy document", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    policy = parse_policy(json.loads(example))
+    assert set(policy.document()) == set(NodePolicy.model_fields)
+    assert NodePolicy(generation=1).document() == {"generation": 1}

@@ -1,0 +1,126 @@
+"""The memory tier's parts on their own, without HTTP or agents: the catalog of complete steps, the
+S3 retention plan, the persist loop's temporary/permanent split, the one backoff, and the fast
+path's expiry driven by an injected clock (no test sleeps to wait for it)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hyperpod_sim.agents import catalog
+from hyperpod_sim.agents.clock import Clock
+from hyperpod_sim.agents.fastpath import FastPath
+from hyperpod_sim.agents.retry import Backoff
+from hyperpod_sim.agents.s3objects import S3Unavailable
+from hyperpod_sim.agents.s3tier import PersistFailed, is_temporary
+from hyperpod_sim.agents.store import ShardInfo, ShardKey, ShardStore
+from hyperpod_sim.agents.tiermodel import Namespace, TierError
+
+MiB = 1 << 20
+
+
+def test_a_step_is_complete_when_every_rank_is_held_somewhere() -> None:
+    here = {1: {0, 1}, 2: {0}, 3: {2}}
+    peer = {2: [1, 2], 3: [0]}
+    assert catalog.complete_steps(3, [here, peer]) == [2]
+    assert catalog.complete_steps(2, [here, peer]) == [2, 1]
+    assert catalog.complete_steps(3, []) == []
+    assert catalog.merge([here, peer]) == {1: {0, 1}, 2: {0, 1, 2}, 3: {0, 2}}
+
+
+def test_the_local_index_separates_own_shards_from_replicas(tmp_path: Path) -> None:
+    def info(rank: int, step: int, replica_of: str | None) -> ShardInfo:
+        return ShardInfo(ShardKey("job", rank, step), 1, "", replica_of, tmp_path / "x", 0.0)
+
+    index = catalog.local_index([info(1, 5, None), info(0, 5, "node-b"), info(0, 4, None)], "node-a")
+    assert index == {
+        "node_id": "node-a",
+        "steps": {"4": [0], "5": [0, 1]},
+        "primary": {"4": [0], "5": [1]},
+        "replica": {"5": [0]},
+    }
+    assert catalog.steps_of(index) == {4: [0], 5: [0, 1]}
+
+
+def test_retention_keeps_the_newest_committed_steps_and_drops_abandoned_uploads() -> None:
+    doomed, abandoned = catalog.retention_plan([1, 3, 5, 7], [1, 2, 3, 5, 6, 7, 8], 2)
+    assert doomed == {1, 3}
+    # Below the newest committed step and never committed: an upload that died. Step 8 may still
+    # be uploading (above the newest marker): kept.
+    assert abandoned == {2, 6}
+    assert catalog.retention_plan([4], [4], None) == (set(), set())
+    assert catalog.retention_plan([], [1, 2], 1) == (set(), set())
+
+
+@pytest.mark.parametrize(
+    ("error", "temporary"),
+    [
+        (PersistFailed("ranks [1] could not be put"), True),
+        (S3Unavailable("throttled"), True),
+        (httpx.ConnectError("refused"), True),
+        (TierError(503, "ControlPlaneUnavailable", "down"), True),
+        (TierError(404, "NamespaceNotFound", "gone"), False),
+        (KeyError("num_ranks"), False),
+        (ValueError("an answer off the contract"), False),
+    ],
+)
+def test_persist_failures_are_temporary_or_permanent(error: Exception, temporary: bool) -> None:
+    assert is_temporary(error) is temporary
+
+
+def test_backoff_without_jitter_doubles_up_to_its_cap() -> None:
+    backoff = Backoff(initial_s=0.5, max_s=3.0, jitter=False)
+    assert [backoff.next_delay() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    backoff.reset()
+    assert backoff.next_delay() == 0.5
+
+
+class ManualClock:
+    """Monotonic time that moves only when the code under test sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)
+
+    def clock(self) -> Clock:
+        return Clock(wall=self.monotonic, monotonic=self.monotonic, sleep=self.sleep)
+
+
+def test_fast_path_gives_back_writes_and_leases_past_their_timeout(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        manual = ManualClock()
+        tasks: list[asyncio.Future[None]] = []
+
+        def spawn(coroutine: Awaitable[None]) -> None:
+            tasks.append(asyncio.ensure_future(coroutine))
+
+        store = ShardStore(tmp_path / "shm", budget_bytes=4 * MiB)
+        fast = FastPath(clock=manual.clock(), timeout_s=10.0, spawn=spawn)
+        taken = store.reserve(ShardKey("job", 0, 1), MiB)
+        assert fast.take_write(fast.open_write(taken, Namespace("job", 2, 1))) is not None
+        expiring = store.reserve(ShardKey("job", 1, 1), MiB)
+        token = fast.open_write(expiring, Namespace("job", 2, 1))
+        released: list[str] = []
+        lease = fast.lease(lambda: released.append("expired"))
+        assert fast.release(fast.lease(lambda: released.append("released")))
+        assert released == ["released"]
+        assert store.in_use_bytes == 2 * MiB
+        await asyncio.gather(*tasks)  # the sweep ends once nothing is left to expire
+        assert manual.now > 110.0
+        assert released == ["released", "expired"]
+        assert fast.take_write(token) is None
+        assert not fast.release(lease)
+        assert store.in_use_bytes == MiB  # the expired write's room was given back
+        taken.abort()
+
+    asyncio.run(scenario())
