@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER = ("sqlalchemy", "fastapi", "starlette", "alembic", "uvicorn", "moto", "api", "models", "domain")
+SERVER = ("sqlalchemy", "fastapi", "starlette", "alembic", "uvicorn", "moto")
+OURS = ("hyperpod_sim.api", "hyperpod_sim.models", "hyperpod_sim.domain", "hyperpod_sim.infra")
 
 
 def lint_imports() -> str | None:
@@ -44,14 +45,15 @@ def test_import_linter_contracts_are_kept() -> None:
 
 def test_sdk_and_agents_import_without_the_server() -> None:
     script = (
-        "import sdk.checkpoint, sdk.client, agents.main, sys; "
-        f"bad = {{m for m in sys.modules if m.split('.')[0] in {set(SERVER)!r}}}; "
+        "import hyperpod_sim.sdk.checkpoint, hyperpod_sim.sdk.client, hyperpod_sim.agents.main, sys; "
+        f"bad = {{m for m in sys.modules if m.split('.')[0] in {set(SERVER)!r} "
+        f"or '.'.join(m.split('.')[:2]) in {set(OURS)!r}}}; "
         "assert not bad, sorted(bad); "
-        "import sdk, agents; print(sdk.__file__); print(agents.__file__)"
+        "import hyperpod_sim; print(hyperpod_sim.__file__)"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr
-    # The packages imported are this project's, not something else on the path.
-    assert result.stdout.split() == [str(ROOT / "sdk" / "__init__.py"), str(ROOT / "agents" / "__init__.py")]
+    # The package imported is this checkout's, not something else on the path.
+    assert result.stdout.split() == [str(ROOT / "hyperpod_sim" / "__init__.py")]
