@@ -72,7 +72,8 @@ def start_s3(kind: str, workdir: Path, deadline_s: float) -> S3Server:
         return S3Server(
             "moto", moto.endpoint, moto.proc.pid, dict(CREDENTIALS), moto.stop, f"moto {_version('moto')}"
         )
-    from hyperpod_sim.embedded_s3 import free_embedded_port, start_seaweedfs_s3
+    from hyperpod_sim.embedded_s3 import start_seaweedfs_s3
+    from hyperpod_sim.seaweedfs import free_embedded_port
     from hyperpod_sim.settings import S3Settings
 
     settings = S3Settings(

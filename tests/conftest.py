@@ -31,7 +31,7 @@ from sqlalchemy.engine import make_url
 
 from hyperpod_sim.api.app import create_app
 from hyperpod_sim.api.deps import Services
-from hyperpod_sim.embedded_s3 import free_embedded_port
+from hyperpod_sim.seaweedfs import free_embedded_port
 from hyperpod_sim.settings import Settings
 
 POSTGRES_URL = os.environ.get("HPSIM_TEST_POSTGRES_URL")

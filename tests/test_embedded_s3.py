@@ -23,13 +23,8 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from hyperpod_sim.embedded_s3 import (
-    EmbeddedS3,
-    EmbeddedS3Error,
-    start_embedded_s3,
-    start_seaweedfs_s3,
-    weed_ports,
-)
+from hyperpod_sim.embedded_s3 import EmbeddedS3, EmbeddedS3Error, start_embedded_s3, start_seaweedfs_s3
+from hyperpod_sim.seaweedfs import weed_ports
 from hyperpod_sim.settings import S3Settings, Settings
 from tests.conftest import ServerProcess, embedded_s3_port, free_port, kill_processes_under, wait_for
 from tests.test_memory_tier_library import agents, run_job

@@ -1,5 +1,6 @@
-"""Processes on this machine: starting an agent in a session of its own, its pidfile, signals to
-its process group, whether it still runs, and its shared memory.
+"""Processes on this machine: starting an agent (or SeaweedFS) in a session of its own, its
+pidfile, signals to its process group, whether it still runs, its parent and command line, and its
+shared memory.
 
 A running agent is known by its pid and the start time the kernel gives it (field 22 of
 ``/proc/<pid>/stat``), so that a pid the kernel gave to another process since is not taken for the
@@ -65,27 +66,51 @@ class Pidfile:
         return start_time(self.pid) == self.start_time
 
 
-def start_time(pid: int) -> int | None:
-    """The kernel's start time of process ``pid``; None if there is none, or only its zombie."""
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (the state, field 3, first);
+    None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             stat = handle.read()
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may hold anything, spaces included.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):  # exited, not yet collected
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def start_time(pid: int) -> int | None:
+    """The kernel's start time of process ``pid``; None if there is none, or only its zombie."""
+    fields = _stat(pid)
+    if fields is None or fields[0] in (b"Z", b"X"):  # exited, not yet collected
         return None
     return int(fields[19])
 
 
-def spawn(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in a session (and process group) of its own, its output appended to
-    ``log_path``: the SIGINT of a Ctrl+C in the control plane's terminal reaches the control
-    plane's process group only. May raise OSError."""
+def parent_pid(pid: int) -> int | None:
+    """The pid of process ``pid``'s parent; None if there is no such process."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields is not None else None
+
+
+def command_line(pid: int) -> list[str] | None:
+    """Process ``pid``'s arguments (none for a zombie); None if there is no such process."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def spawn(
+    argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (in ``cwd``, else this process's working dir) in a session (and process
+    group) of its own, its output appended to ``log_path``: the SIGINT of a Ctrl+C in the control
+    plane's terminal reaches the control plane's process group only. May raise OSError."""
     with open(log_path, "ab") as logfile:
         return subprocess.Popen(
             list(argv),
+            cwd=cwd,
             env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=logfile,
