@@ -52,6 +52,14 @@ async def _call(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> JSONRespons
         )
 
 
+async def _created(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> JSONResponse:
+    """:func:`_call` for a route that creates: its success is 201."""
+    response = await _call(fn, **kwargs)
+    if response.status_code == 200:
+        response.status_code = 201
+    return response
+
+
 @router.post(
     REGISTER_ROUTE,
     summary="Register a node agent",
@@ -105,7 +113,7 @@ async def heartbeat(
 async def record_event(
     cluster: str, body: AgentEvent, request: Request, services: ServicesDep
 ) -> JSONResponse:
-    response = await _call(
+    return await _created(
         services.agents.record_event,
         cluster_name=cluster,
         node_id=body.node_id,
@@ -113,9 +121,6 @@ async def record_event(
         level=body.level,
         message=body.message,
     )
-    if response.status_code == 200:
-        response.status_code = 201
-    return response
 
 
 @router.get(
@@ -166,7 +171,7 @@ async def get_namespace(cluster: str, name: str, request: Request, services: Ser
 async def create_namespace(
     cluster: str, name: str, body: NamespaceCreation, request: Request, services: ServicesDep
 ) -> JSONResponse:
-    response = await _call(
+    return await _created(
         services.agents.create_namespace,
         cluster_name=cluster,
         token=bearer(request),
@@ -174,9 +179,6 @@ async def create_namespace(
         num_ranks=body.num_ranks,
         steps_retained=body.steps_retained,
     )
-    if response.status_code == 200:
-        response.status_code = 201
-    return response
 
 
 @router.delete(

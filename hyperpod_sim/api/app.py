@@ -35,6 +35,43 @@ from hyperpod_sim.settings import Settings
 log = logging.getLogger(__name__)
 
 
+def _make_data_dir(settings: Settings) -> None:
+    """Owner only: the data dir holds the SQLite database, and the database the cluster tokens."""
+    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        settings.data_dir.chmod(0o700)
+    except PermissionError:  # not ours (a mounted volume): its owner decides
+        log.warning("cannot make the data dir %s owner-only (0700): it is not ours", settings.data_dir)
+
+
+def _reconciler_config(settings: Settings, s3_endpoint: S3Endpoint) -> ReconcilerConfig:
+    provisioning = settings.provisioning
+    return ReconcilerConfig(
+        interval_s=settings.reconciler.interval_s,
+        node_ready_delay_s=provisioning.node_ready_delay_s,
+        heartbeat_timeout_s=provisioning.heartbeat_timeout_s,
+        launch_timeout_s=provisioning.launch_timeout_s,
+        memory_scale=settings.simulation.memory_scale,
+        s3_endpoint=s3_endpoint,
+        push_workers=settings.reconciler.push_workers,
+        push_timeout_s=settings.reconciler.push_timeout_s,
+        push_backoff_s=settings.reconciler.push_backoff_s,
+        push_backoff_max_s=settings.reconciler.push_backoff_max_s,
+        restart_agents=provisioning.restart_agents,
+    )
+
+
+def _domain_config(settings: Settings) -> DomainConfig:
+    token = settings.provisioning.bootstrap_token
+    return DomainConfig(
+        account_id=settings.account_id,
+        region=settings.region,
+        max_instances_per_cluster=settings.limits.max_instances_per_cluster,
+        max_clusters=settings.limits.max_clusters,
+        bootstrap_token=token.get_secret_value() if token else None,
+    )
+
+
 def build_services(
     settings: Settings,
     *,
@@ -47,12 +84,7 @@ def build_services(
     adds to every agent's environment (``serve`` passes the embedded S3 endpoint's credentials)."""
     clock = clock or SystemClock()
     ids = ids or Ids()
-    # Owner only: the data dir holds the SQLite database, and the database the cluster tokens.
-    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    try:
-        settings.data_dir.chmod(0o700)
-    except PermissionError:  # not ours (a mounted volume): its owner decides
-        log.warning("cannot make the data dir %s owner-only (0700): it is not ours", settings.data_dir)
+    _make_data_dir(settings)
     db = Database(settings.database_url())
     db.migrate()
     provisioning = settings.provisioning
@@ -74,19 +106,7 @@ def build_services(
         clock=clock,
         ids=ids,
         provisioner=provisioner,
-        config=ReconcilerConfig(
-            interval_s=settings.reconciler.interval_s,
-            node_ready_delay_s=provisioning.node_ready_delay_s,
-            heartbeat_timeout_s=provisioning.heartbeat_timeout_s,
-            launch_timeout_s=provisioning.launch_timeout_s,
-            memory_scale=settings.simulation.memory_scale,
-            s3_endpoint=s3_endpoint,
-            push_workers=settings.reconciler.push_workers,
-            push_timeout_s=settings.reconciler.push_timeout_s,
-            push_backoff_s=settings.reconciler.push_backoff_s,
-            push_backoff_max_s=settings.reconciler.push_backoff_max_s,
-            restart_agents=provisioning.restart_agents,
-        ),
+        config=_reconciler_config(settings, s3_endpoint),
     )
     agents = AgentService(
         db=db,
@@ -104,15 +124,7 @@ def build_services(
         db=db,
         clock=clock,
         ids=ids,
-        config=DomainConfig(
-            account_id=settings.account_id,
-            region=settings.region,
-            max_instances_per_cluster=settings.limits.max_instances_per_cluster,
-            max_clusters=settings.limits.max_clusters,
-            bootstrap_token=(
-                provisioning.bootstrap_token.get_secret_value() if provisioning.bootstrap_token else None
-            ),
-        ),
+        config=_domain_config(settings),
         on_change=reconciler.wake,
     )
     return Services(
@@ -131,6 +143,55 @@ def build_services(
             on_change=reconciler.wake,
         ),
     )
+
+
+def _description() -> str:
+    """The OpenAPI description: the two transports, the error shape, authentication."""
+    return (
+        "Two transports over one domain layer:\n\n"
+        "* **AWS JSON 1.1** at `POST /` with `X-Amz-Target: SageMaker.<Operation>`: point "
+        "boto3, the AWS CLI or sagemaker-core at this service with an endpoint URL. "
+        f"Operations: {', '.join(sorted(OPERATIONS))}.\n"
+        "* **REST** routes under `/clusters` with the same member names and shapes as the AWS "
+        "API.\n\n"
+        'Errors have the AWS shape `{"__type": "<Code>", "message": "..."}` on both.\n\n'
+        "**Authentication** (when the service has credentials, `HPSIM_AUTH__CREDENTIALS`): every "
+        "route but `/agent/v1/*`, `/health` and this documentation needs a SigV4 signature "
+        "(boto3, the AWS CLI, `sdk.client.HyperPodClient`) or `Authorization: Bearer <token>` "
+        "(`hyperpod-sim auth-token`; use *Authorize* above). Fault injection needs an admin "
+        "credential once `HPSIM_AUTH__ADMIN_CREDENTIALS` is set. See docs/security.md."
+    )
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Errors answer in the AWS shape, ``{"__type": ..., "message": ...}`` (the agent routes' bad
+    bodies in the agent protocol's)."""
+
+    @app.exception_handler(AwsError)
+    async def _aws_error(request: Request, exc: AwsError) -> JSONResponse:
+        return error_response(exc, rest.status_for(exc), media_type="application/json")
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
+        )
+        if request.url.path.startswith("/agent/"):
+            return JSONResponse({"error": "InvalidRequest", "message": problems}, status_code=400)
+        return error_response(ValidationException(problems), 400, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Paths and methods no route serves answer in the AWS shape too."""
+        if exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
+        elif exc.status_code == 404:
+            message = f"No route serves {request.method} {request.url.path}; see /docs."
+        else:
+            message = str(exc.detail)
+        return error_response(
+            UnknownOperationException(message), exc.status_code, media_type="application/json"
+        )
 
 
 def create_app(
@@ -159,48 +220,11 @@ def create_app(
         title="hyperpod-sim control plane",
         version="0.1.0",
         summary="A local SageMaker HyperPod control plane with managed tiered checkpointing.",
-        description=(
-            "Two transports over one domain layer:\n\n"
-            "* **AWS JSON 1.1** at `POST /` with `X-Amz-Target: SageMaker.<Operation>`: point "
-            "boto3, the AWS CLI or sagemaker-core at this service with an endpoint URL. "
-            f"Operations: {', '.join(sorted(OPERATIONS))}.\n"
-            "* **REST** routes under `/clusters` with the same member names and shapes as the AWS "
-            "API.\n\n"
-            'Errors have the AWS shape `{"__type": "<Code>", "message": "..."}` on both.\n\n'
-            "**Authentication** (when the service has credentials, `HPSIM_AUTH__CREDENTIALS`): every "
-            "route but `/agent/v1/*`, `/health` and this documentation needs a SigV4 signature "
-            "(boto3, the AWS CLI, `sdk.client.HyperPodClient`) or `Authorization: Bearer <token>` "
-            "(`hyperpod-sim auth-token`; use *Authorize* above). Fault injection needs an admin "
-            "credential once `HPSIM_AUTH__ADMIN_CREDENTIALS` is set. See docs/security.md."
-        ),
+        description=_description(),
         lifespan=lifespan,
     )
 
-    @app.exception_handler(AwsError)
-    async def _aws_error(request: Request, exc: AwsError) -> JSONResponse:
-        return error_response(exc, rest.status_for(exc), media_type="application/json")
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
-        )
-        if request.url.path.startswith("/agent/"):
-            return JSONResponse({"error": "InvalidRequest", "message": problems}, status_code=400)
-        return error_response(ValidationException(problems), 400, media_type="application/json")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        """Paths and methods no route serves answer in the AWS shape too."""
-        if exc.status_code == 405:
-            message = f"Method {request.method} is not allowed on {request.url.path}."
-        elif exc.status_code == 404:
-            message = f"No route serves {request.method} {request.url.path}; see /docs."
-        else:
-            message = str(exc.detail)
-        return error_response(
-            UnknownOperationException(message), exc.status_code, media_type="application/json"
-        )
+    _install_error_handlers(app)
 
     @app.get(
         "/health",

@@ -22,7 +22,7 @@ from sqlalchemy.orm import selectinload
 from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, INTERNAL_S3_STEPS_ROUTE, agent_path
 from hyperpod_sim.domain.agent_client import AgentConnection, AgentUnreachable
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
-from hyperpod_sim.domain.errors import ResourceNotFound
+from hyperpod_sim.domain.clusters import get_cluster
 from hyperpod_sim.domain.lifecycle import NodeStatus
 from hyperpod_sim.domain.policy import ring
 from hyperpod_sim.models import CheckpointNamespace, Cluster, Database
@@ -151,15 +151,10 @@ class CheckpointCatalog:
 
     def list_checkpoints(self, *, name: str) -> ClusterCheckpoints:
         """Every namespace of the cluster (by name or ARN) with its steps, newest first."""
-        column = Cluster.arn if name.startswith("arn:") else Cluster.name
         with self.db.read() as session:
-            cluster = session.scalars(
-                select(Cluster)
-                .where(column == name)
-                .options(selectinload(Cluster.instance_groups), selectinload(Cluster.nodes))
-            ).one_or_none()
-            if cluster is None:
-                raise ResourceNotFound(f"Cluster '{name}' does not exist.")
+            cluster = get_cluster(
+                session, name, selectinload(Cluster.instance_groups), selectinload(Cluster.nodes)
+            )
             cluster_name, token = cluster.name, cluster.token
             running = [n for n in cluster.nodes if n.status == NodeStatus.RUNNING and n.endpoint]
             agents = [(n.id, str(n.endpoint)) for n in ring(cluster, running)]

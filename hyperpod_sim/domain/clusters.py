@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import Select, bindparam, delete, func, select
 from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm.interfaces import LoaderOption
 
 from hyperpod_sim.domain import cluster_rules, events
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
@@ -110,6 +111,24 @@ _DESCRIBE_BY_NAME = _describe_statement(_CLUSTERS.c.name)
 _DESCRIBE_BY_ARN = _describe_statement(_CLUSTERS.c.arn)
 
 
+def by_name_or_arn(name_or_arn: str) -> Select[Cluster]:
+    """The query for the cluster a request names, by its name or by its ARN."""
+    column = Cluster.arn if name_or_arn.startswith("arn:") else Cluster.name
+    return select(Cluster).where(column == name_or_arn)
+
+
+def get_cluster(session: Session, name_or_arn: str, *loads: LoaderOption, lock: bool = False) -> Cluster:
+    """The cluster by name or ARN, with the ``loads`` given (``selectinload(Cluster.nodes)``...),
+    locked for update with ``lock``; ``ResourceNotFound`` where there is none."""
+    query = by_name_or_arn(name_or_arn).options(*loads)
+    if lock:
+        query = query.with_for_update()
+    cluster = session.scalars(query).one_or_none()
+    if cluster is None:
+        raise ResourceNotFound(f"Cluster '{name_or_arn}' does not exist.")
+    return cluster
+
+
 class ClusterService:
     """Domain operations. Keyword-only arguments; raise AwsError subclasses; no HTTP."""
 
@@ -133,19 +152,8 @@ class ClusterService:
     def arn_for(self, cluster_id: str) -> str:
         return f"arn:aws:sagemaker:{self.config.region}:{self.config.account_id}:cluster/{cluster_id}"
 
-    @staticmethod
-    def _by_name_or_arn(name_or_arn: str) -> Select[Cluster]:
-        column = Cluster.arn if name_or_arn.startswith("arn:") else Cluster.name
-        return select(Cluster).where(column == name_or_arn)
-
     def _get(self, session: Session, name_or_arn: str, *, lock: bool = False) -> Cluster:
-        query = self._by_name_or_arn(name_or_arn).options(selectinload(Cluster.instance_groups))
-        if lock:
-            query = query.with_for_update()
-        cluster = session.scalars(query).one_or_none()
-        if cluster is None:
-            raise ResourceNotFound(f"Cluster '{name_or_arn}' does not exist.")
-        return cluster
+        return get_cluster(session, name_or_arn, selectinload(Cluster.instance_groups), lock=lock)
 
     def _start_rollout(self, session: Session, cluster: Cluster, what: str) -> None:
         """InService -> Updating with a new policy generation, until every node applied it."""

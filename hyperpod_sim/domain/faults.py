@@ -55,6 +55,7 @@ from sqlalchemy.orm import Session, selectinload
 from hyperpod_sim.contracts import extensions
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.clock import Clock, Ids
+from hyperpod_sim.domain.clusters import get_cluster
 from hyperpod_sim.domain.errors import (
     ConflictException,
     ResourceNotFound,
@@ -259,14 +260,7 @@ class FaultService:
         self.on_change = on_change
 
     def _cluster(self, session: Session, name: str, *, lock: bool = False) -> Cluster:
-        column = Cluster.arn if name.startswith("arn:") else Cluster.name
-        query = select(Cluster).where(column == name).options(selectinload(Cluster.nodes))
-        if lock:
-            query = query.with_for_update()
-        cluster = session.scalars(query).one_or_none()
-        if cluster is None:
-            raise ResourceNotFound(f"Cluster '{name}' does not exist.")
-        return cluster
+        return get_cluster(session, name, selectinload(Cluster.nodes), lock=lock)
 
     def inject_fault(self, *, name: str, spec: FaultSpec) -> tuple[Cluster, dict[str, Any]]:
         """Inject one fault now; its record (``FaultId``, ``Type``, the members given, ``InjectedAt``,

@@ -22,7 +22,7 @@ from sqlalchemy.orm import selectinload
 from hyperpod_sim.contracts.agent_api import CONTROL_PLANE_AGENT
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
 from hyperpod_sim.domain.checkpoints import NamespaceCheckpoints
-from hyperpod_sim.domain.errors import ResourceNotFound
+from hyperpod_sim.domain.clusters import get_cluster
 from hyperpod_sim.domain.lifecycle import NodeStatus
 from hyperpod_sim.domain.policy import memory_budget_bytes, ring
 from hyperpod_sim.models import Cluster, Database
@@ -115,15 +115,10 @@ class OverviewService:
 
     def cluster(self, *, name: str) -> dict[str, Any]:
         """The cluster's summary, its checkpoint policy and its nodes in ring order."""
-        column = Cluster.arn if name.startswith("arn:") else Cluster.name
         with self.db.read() as session:
-            cluster = session.scalars(
-                select(Cluster)
-                .where(column == name)
-                .options(selectinload(Cluster.instance_groups), selectinload(Cluster.nodes))
-            ).one_or_none()
-            if cluster is None:
-                raise ResourceNotFound(f"Cluster '{name}' does not exist.")
+            cluster = get_cluster(
+                session, name, selectinload(Cluster.instance_groups), selectinload(Cluster.nodes)
+            )
             summary = cluster_summary(cluster)
             policy = CheckpointPolicy.from_stored(cluster.checkpoint_policy)
             factor = policy.replication_factor
