@@ -216,9 +216,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The extra that brings each third-party module a command may need, for the one-line message of
+# a command run without it (the SDK's own dependencies come with every install).
+EXTRA_OF = {
+    **dict.fromkeys(
+        ("fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "psycopg", "moto", "regex"),
+        "server",
+    ),
+    "torch": "trainer",
+}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """``needs the 'server' extra ...`` for a module of one of our extras, else None."""
+    top = (exc.name or "").partition(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        return None
+    return f"needs the '{extra}' extra (no module {top!r}): pip install 'hyperpod-sim[{extra}]'"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except ModuleNotFoundError as exc:
+        message = missing_extra(exc)
+        if message is None:
+            raise
+        print(f"hyperpod-sim {args.command}: {message}", file=sys.stderr)
+        return 1
     return result
 
 

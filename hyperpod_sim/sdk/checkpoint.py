@@ -41,7 +41,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as exc:  # the SDK installed without the trainer extra: say which
+    raise ModuleNotFoundError(
+        "hyperpod_sim.sdk.checkpoint needs torch: pip install 'hyperpod-sim[trainer]'", name=exc.name
+    ) from None
 import torch.distributed as dist
 import xxhash
 from torch.distributed._shard._utils import narrow_tensor_by_index

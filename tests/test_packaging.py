@@ -1,0 +1,115 @@
+"""What installing the package puts on a trainer's machine: one import name of ours, and the files
+the server needs at run time (migrations, the console) inside it; the SDK extra without the
+server; a one-line message, naming the extra, from a command or module whose extra is missing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER_MODULES = ("fastapi", "sqlalchemy", "uvicorn", "alembic", "moto", "torch")
+OURS_SERVER_SIDE = ("hyperpod_sim.api", "hyperpod_sim.domain", "hyperpod_sim.models", "hyperpod_sim.agents")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    # The license is an SPDX expression: setuptools has nothing to deprecate.
+    assert "deprecated" not in done.stdout + done.stderr, done.stdout + done.stderr
+    (built,) = out.glob("hyperpod_sim-*.whl")
+    return built
+
+
+def test_wheel_holds_only_our_package(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert top == {"hyperpod_sim"}
+    # A trainer's own `models/` or `api/` package cannot collide with ours.
+    assert not any(name.startswith(("models/", "api/", "sdk/", "agents/", "domain/")) for name in names)
+    # The server's run-time files travel inside the package.
+    assert any(name.startswith("hyperpod_sim/migrations/versions/0001_") for name in names)
+    assert "hyperpod_sim/migrations/script.py.mako" in names
+    metadata = zipfile.ZipFile(wheel).read(f"{wheel.name.split('-')[0]}-0.1.0.dist-info/METADATA").decode()
+    for extra in ("sdk", "trainer", "server", "dev"):
+        assert f"Provides-Extra: {extra}\n" in metadata
+    assert "License-Expression: Apache-2.0" in metadata
+
+
+def test_the_sdk_extra_installs_no_server(wheel: Path, tmp_path: Path) -> None:
+    """``pip install 'hyperpod-sim[sdk]'`` into a fresh venv, dependencies from the configured index."""
+    venv = tmp_path / "venv"
+    # Nothing of the checkout on the path: the venv sees the installed wheel only.
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    done = subprocess.run(
+        [python, "-m", "pip", "install", "--find-links", str(wheel.parent), "hyperpod-sim[sdk]"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "does not provide the extra" not in done.stdout + done.stderr
+
+    probe = (
+        "import sys, hyperpod_sim.sdk.client, hyperpod_sim.sdk.agent, hyperpod_sim.cluster_cli\n"
+        f"print(sorted(m for m in sys.modules if m.partition('.')[0] in {SERVER_MODULES!r} "
+        f"or m.startswith({OURS_SERVER_SIDE!r})))\n"
+    )
+    imported = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.strip() == "[]"
+
+    # A command whose extra is missing says which to install, in one line.
+    serve = subprocess.run(
+        [str(venv / "bin" / "hyperpod-sim"), "serve", "--data-dir", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert serve.returncode == 1
+    assert serve.stderr.strip().splitlines() == [
+        "hyperpod-sim serve: needs the 'server' extra (no module 'uvicorn'): "
+        "pip install 'hyperpod-sim[server]'"
+    ], serve.stderr
+    checkpoint = subprocess.run(
+        [python, "-c", "import hyperpod_sim.sdk.checkpoint"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert checkpoint.returncode == 1
+    assert checkpoint.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: hyperpod_sim.sdk.checkpoint needs torch: pip install 'hyperpod-sim[trainer]'"
+    )
