@@ -5,6 +5,7 @@ server; a one-line message, naming the extra, from a command or module whose ext
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,6 +21,10 @@ OURS_SERVER_SIDE = ("hyperpod_sim.api", "hyperpod_sim.domain", "hyperpod_sim.mod
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # From a copy of the checkout: an in-tree build/ would leave stale files in the wheel.
+    source = tmp_path_factory.mktemp("source") / "hyperpod-sim"
+    skipped = (".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", ".hyperpod-sim", "results")
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*skipped))
     done = subprocess.run(
         [
             sys.executable,
@@ -30,7 +35,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--no-build-isolation",
             "-w",
             str(out),
-            str(ROOT),
+            str(source),
         ],
         capture_output=True,
         text=True,
