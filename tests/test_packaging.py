@@ -63,23 +63,31 @@ def test_wheel_holds_only_our_package(wheel: Path) -> None:
     assert "License-Expression: Apache-2.0" in metadata
 
 
-def test_the_sdk_extra_installs_no_server(wheel: Path, tmp_path: Path) -> None:
-    """``pip install 'hyperpod-sim[sdk]'`` into a fresh venv, dependencies from the configured index."""
+def install(wheel: Path, tmp_path: Path, extra: str) -> tuple[Path, dict[str, str]]:
+    """``pip install 'hyperpod-sim[EXTRA]'`` into a fresh venv: ours from the wheel, dependencies
+    from the configured index. Returns the venv and the environment to run it with."""
     venv = tmp_path / "venv"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     # Nothing of the checkout on the path: the venv sees the installed wheel only.
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = str(venv / "bin" / "python")
     done = subprocess.run(
-        [python, "-m", "pip", "install", "--find-links", str(wheel.parent), "hyperpod-sim[sdk]"],
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--find-links", str(wheel.parent),
+         f"hyperpod-sim[{extra}]"],
         capture_output=True,
         text=True,
         timeout=600,
         env=env,
         cwd=tmp_path,
-    )
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "does not provide the extra" not in done.stdout + done.stderr
+    return venv, env
+
+
+def test_the_sdk_extra_installs_no_server(wheel: Path, tmp_path: Path) -> None:
+    venv, env = install(wheel, tmp_path, "sdk")
+    python = str(venv / "bin" / "python")
 
     probe = (
         "import sys, hyperpod_sim.sdk.client, hyperpod_sim.sdk.agent, hyperpod_sim.cluster_cli\n"
@@ -118,3 +126,34 @@ def test_the_sdk_extra_installs_no_server(wheel: Path, tmp_path: Path) -> None:
     assert checkpoint.stderr.strip().splitlines()[-1] == (
         "ModuleNotFoundError: hyperpod_sim.sdk.checkpoint needs torch: pip install 'hyperpod-sim[trainer]'"
     )
+
+
+@pytest.mark.skipif(
+    not os.environ.get("HPSIM_TEST_ALL_EXTRAS"),
+    reason="two more installs (about 1.4 GB, one to two minutes): set HPSIM_TEST_ALL_EXTRAS=1",
+)
+def test_the_server_and_trainer_extras_bring_what_they_promise(wheel: Path, tmp_path: Path) -> None:
+    """One venv, the two extras in turn: the server without torch, then the trainer's DCP writer."""
+    venv, env = install(wheel, tmp_path / "server", "server")
+    python = str(venv / "bin" / "python")
+    probe = (
+        "import importlib.util, hyperpod_sim.api.app, hyperpod_sim.serving, hyperpod_sim.agents.main\n"
+        "print(importlib.util.find_spec('torch'))\n"
+    )
+    done = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"  # the server does not pull in torch
+
+    venv, env = install(wheel, tmp_path / "trainer", "trainer")
+    probe = (
+        "import importlib.util, hyperpod_sim.sdk.checkpoint\n"
+        "print(importlib.util.find_spec('fastapi'), importlib.util.find_spec('sqlalchemy'))\n"
+    )
+    python = str(venv / "bin" / "python")
+    done = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None None"  # nor the trainer the server
