@@ -22,13 +22,13 @@ shows the whole story. Run `hyperpod-sim COMMAND --help` for a command's options
 
 
 def port_number(value: str) -> int:
-    """A TCP port for ``--port``: 1..65535."""
+    """A TCP port for ``--port``: 0 (any free one) to 65535."""
     try:
         port = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port: use 1..65535")
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: use 1..65535 (or 0: any free one)")
     return port
 
 
@@ -69,6 +69,8 @@ def _serve_locked(settings: Settings, log_level: str, listener: socket.socket) -
     """``serve`` once it holds the data dir and its port (hyperpod_sim/serving.py)."""
     from hyperpod_sim import serving
     from hyperpod_sim.api.app import create_app
+
+    settings.port = listener.getsockname()[1]  # --port 0: the one the system chose
 
     embedded = None
     agent_env: dict[str, str] = {}
@@ -181,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "moto's in memory, =off for none.",
     )
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=port_number, help="port to listen on (default 8080)")
+    serve.add_argument("--port", type=port_number, help="port to listen on (default 8080; 0: any free one)")
     serve.add_argument("--database-url", help="SQLAlchemy URL (default: SQLite in the data dir)")
     serve.add_argument("--data-dir", help="directory for local state (default .hyperpod-sim)")
     serve.add_argument("--log-level", default="warning", help="uvicorn log level")
@@ -205,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--host", help="address the agent API listens on (default 127.0.0.1)")
     agent.add_argument(
         "--port",
-        type=lambda v: 0 if v == "0" else port_number(v),
+        type=port_number,
         help="port of the agent API (default 0: any free port)",
     )
     agent.add_argument("--advertise-host", help="host to reach this agent at (default: --host)")

@@ -407,7 +407,7 @@ def test_serve_says_in_one_line_when_its_port_is_busy_or_invalid(tmp_path: Path)
     invalid = hpsim(None, "serve", "--port", "99999", "--data-dir", str(tmp_path / "a"), env=env)
     assert invalid.returncode == 2
     assert invalid.stderr.splitlines()[-1] == (
-        "hyperpod-sim serve: error: argument --port: 99999 is not a port: use 1..65535"
+        "hyperpod-sim serve: error: argument --port: 99999 is not a port: use 1..65535 (or 0: any free one)"
     )
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
