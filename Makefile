@@ -14,7 +14,7 @@ $(BIN)/pip:
 	$(PYTHON) -m venv $(VENV)
 
 $(SERVER_STAMP): pyproject.toml | $(BIN)/pip
-	@echo "installing hyperpod-sim[server] into $(VENV) (about 510 MB, 30 s from a nearby index)"
+	@echo "installing hyperpod-sim[server] into $(VENV) (about 510 MB, 30 s to a minute from a nearby index)"
 	$(BIN)/pip install --progress-bar on -e '.[server]'
 	touch $(SERVER_STAMP)
 
