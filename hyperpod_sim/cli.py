@@ -4,12 +4,32 @@ SDK-only install never pulls in the server."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from hyperpod_sim import __version__
+
 if TYPE_CHECKING:
+    import socket
+
     from hyperpod_sim.settings import Settings
+
+DESCRIPTION = """A local SageMaker HyperPod control plane with managed tiered checkpointing: run it
+(serve), its node agents (agent), and drive it from a shell (cluster, checkpoints, fault); demo
+shows the whole story. Run `hyperpod-sim COMMAND --help` for a command's options."""
+
+
+def port_number(value: str) -> int:
+    """A TCP port for ``--port``: 0 (any free one) to 65535."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: use 1..65535 (or 0: any free one)")
+    return port
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -38,17 +58,19 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        with serving.hold_lock(settings):
-            return _serve_locked(settings, args.log_level)
-    except serving.AlreadyServing as exc:
+        with serving.hold_lock(settings), serving.bind(settings.host, settings.port) as listener:
+            return _serve_locked(settings, args.log_level, listener)
+    except (serving.AlreadyServing, serving.PortUnavailable) as exc:
         print(f"hyperpod-sim serve: {exc}", file=sys.stderr)
         return 1
 
 
-def _serve_locked(settings: Settings, log_level: str) -> int:
-    """``serve`` once it holds the data dir (hyperpod_sim/serving.py)."""
+def _serve_locked(settings: Settings, log_level: str, listener: socket.socket) -> int:
+    """``serve`` once it holds the data dir and its port (hyperpod_sim/serving.py)."""
     from hyperpod_sim import serving
     from hyperpod_sim.api.app import create_app
+
+    settings.port = listener.getsockname()[1]  # --port 0: the one the system chose
 
     embedded = None
     agent_env: dict[str, str] = {}
@@ -73,7 +95,7 @@ def _serve_locked(settings: Settings, log_level: str) -> int:
             flush=True,
         )
         # Returns after SIGINT or SIGTERM once the agents have stopped (drained to the S3 below).
-        serving.run(app, host=settings.host, port=settings.port, log_level=log_level)
+        serving.run(app, listener=listener, log_level=log_level)
     finally:
         if embedded is not None:
             embedded.stop()
@@ -147,8 +169,9 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hyperpod-sim", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="hyperpod-sim", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser(
         "serve",
@@ -160,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "moto's in memory, =off for none.",
     )
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    serve.add_argument("--port", type=port_number, help="port to listen on (default 8080; 0: any free one)")
     serve.add_argument("--database-url", help="SQLAlchemy URL (default: SQLite in the data dir)")
     serve.add_argument("--data-dir", help="directory for local state (default .hyperpod-sim)")
     serve.add_argument("--log-level", default="warning", help="uvicorn log level")
@@ -182,7 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--node-id", help="this node's id (without it, the control plane assigns one)")
     agent.add_argument("--host", help="address the agent API listens on (default 127.0.0.1)")
-    agent.add_argument("--port", type=int, help="port of the agent API (default 0: any free port)")
+    agent.add_argument(
+        "--port",
+        type=port_number,
+        help="port of the agent API (default 0: any free port)",
+    )
     agent.add_argument("--advertise-host", help="host to reach this agent at (default: --host)")
     agent.add_argument("--data-dir", help="directory for this node's local state")
     agent.add_argument(
@@ -216,9 +243,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The extra that brings each third-party module a command may need, for the one-line message of
+# a command run without it (the SDK's own dependencies come with every install).
+EXTRA_OF = {
+    **dict.fromkeys(
+        ("fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "psycopg", "moto", "regex"),
+        "server",
+    ),
+    "torch": "trainer",
+}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """``needs the 'server' extra ...`` for a module of one of our extras, else None."""
+    top = (exc.name or "").partition(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        return None
+    return f"needs the '{extra}' extra (no module {top!r}): pip install 'hyperpod-sim[{extra}]'"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result: int = args.func(args)
+    # What argparse cannot say alone (``cluster create`` needs --name unless --file gives it):
+    # its usage line and message, exit status 2.
+    check = getattr(args, "check", None)
+    problem = check(args) if check is not None else None
+    if problem is not None:
+        args.check_parser.error(problem)
+    try:
+        result: int = args.func(args)
+    except ModuleNotFoundError as exc:
+        message = missing_extra(exc)
+        if message is None:
+            raise
+        print(f"hyperpod-sim {args.command}: {message}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as cat does; the interpreter's own flush
+        # of stdout at exit would fail again, so stdout goes to /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for such a writer
     return result
 
 

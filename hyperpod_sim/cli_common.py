@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -51,6 +52,11 @@ def _cell(value: object) -> str:
     if isinstance(value, datetime):
         return _time(value)
     return str(value)
+
+
+def timestamp(value: object) -> str:
+    """A time as every command shows it: ``2026-01-02 03:04:05 UTC`` (epoch seconds too)."""
+    return _time(epoch_time(value))
 
 
 def _time(value: object) -> str:
@@ -156,12 +162,20 @@ def run(args: argparse.Namespace) -> int:
         with client_for(args) as client:
             return action(client, args)
     except (ClusterError, CommandError) as exc:
-        message = " ".join(exc.message.split()) or type(exc).__name__
+        message = flag_names(" ".join(exc.message.split()) or type(exc).__name__, getattr(args, "flags", {}))
         print(f"error: {exc.code or 'Error'}: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+
+
+def flag_names(message: str, flags: dict[str, str]) -> str:
+    """An error message with the request members it names ('durationSeconds', "ClusterName")
+    written as the command's flags (--duration, --name): what the user typed."""
+    for member, flag in flags.items():
+        message = re.sub(rf"""(['"]){member}\1""", flag, message, flags=re.IGNORECASE)
+    return message
 
 
 def common_flags() -> argparse.ArgumentParser:

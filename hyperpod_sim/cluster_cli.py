@@ -456,6 +456,30 @@ def _group_flags(parser: argparse.ArgumentParser, *, update: bool) -> None:
     )
 
 
+# The CreateCluster/UpdateCluster members the flags set, for error messages.
+CREATE_FLAGS = {
+    "ClusterName": "--name",
+    "InstanceGroups": "--instance-group",
+    "TieredStorageConfig": "--tiered-storage",
+    "NodeRecovery": "--node-recovery",
+    "ExecutionRole": "--execution-role",
+}
+
+
+def _check_create(args: argparse.Namespace) -> str | None:
+    """Without --file, a cluster needs a name and a group: argparse's message, before any call."""
+    if args.file:
+        return None
+    missing = [
+        flag
+        for flag, value in (("--name", args.name), ("--instance-group", args.instance_group))
+        if not value
+    ]
+    if missing:
+        return f"the following arguments are required without --file: {', '.join(missing)}"
+    return None
+
+
 def _change_parsers(
     commands: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
 ) -> None:
@@ -476,7 +500,7 @@ def _change_parsers(
         help=f"Orchestrator.Eks.ClusterArn (default without --file: {DEFAULT_EKS_CLUSTER_ARN})",
     )
     wait_flags(create, "InService")
-    create.set_defaults(action=cluster_create)
+    create.set_defaults(action=cluster_create, check=_check_create, check_parser=create, flags=CREATE_FLAGS)
 
     update = commands.add_parser(
         "update",
@@ -495,7 +519,7 @@ def _change_parsers(
         help="InstanceGroupsToDelete (repeat for more)",
     )
     wait_flags(update, "InService again")
-    update.set_defaults(action=cluster_update)
+    update.set_defaults(action=cluster_update, flags=CREATE_FLAGS)
 
 
 def _inspect_parsers(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from hyperpod_sim.cli_common import as_json, epoch_time, fields, run, table
+from hyperpod_sim.cli_common import as_json, epoch_time, fields, run, table, timestamp
 from hyperpod_sim.contracts import extensions
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def fault_database(client: HyperPodClient, args: argparse.Namespace) -> int:
     neither shows it."""
     if args.duration is not None:
         fault = client.inject_control_plane_fault(Type="DatabaseOutage", DurationSeconds=args.duration)
-        print(f"{fault['FaultId']} (DatabaseOutage) until {epoch_time(fault['EndsAt'])}")
+        print(f"{fault['FaultId']} (DatabaseOutage) until {timestamp(fault['EndsAt'])}")
         return 0
     faults = client.list_control_plane_faults()
     if not faults:
@@ -99,8 +99,19 @@ def fault_database(client: HyperPodClient, args: argparse.Namespace) -> int:
             client.clear_control_plane_fault(fault["FaultId"])
             print(f"{fault['FaultId']} (DatabaseOutage) cleared")
         else:
-            print(f"{fault['FaultId']} (DatabaseOutage) until {epoch_time(fault['EndsAt'])}")
+            print(f"{fault['FaultId']} (DatabaseOutage) until {timestamp(fault['EndsAt'])}")
     return 0
+
+
+# The request members of `fault inject` and the flags that set them, for its error messages.
+INJECT_FLAGS = {
+    "Type": "--type",
+    "InstanceId": "--instance-id",
+    "DurationSeconds": "--duration",
+    "LatencyMs": "--latency-ms",
+    "ErrorRate": "--error-rate",
+    "ErrorKind": "--error-kind",
+}
 
 
 def _span(shape: str) -> str:
@@ -148,7 +159,7 @@ def _inject_flags(inject: argparse.ArgumentParser) -> None:
         help=f"{', '.join(_taking('ErrorKind'))}: 503 SlowDown (Throttle, the default) or 500",
     )
     inject.add_argument("--json", action="store_true", help="the fault's record as JSON")
-    inject.set_defaults(action=fault_inject)
+    inject.set_defaults(action=fault_inject, flags=INJECT_FLAGS)
 
 
 def add_parser(
@@ -188,6 +199,6 @@ def add_parser(
         "--duration", type=int, metavar="S", help=f"start an outage of S seconds ({_span('OutageSeconds')})"
     )
     action.add_argument("--end", action="store_true", help="end the outage in force now")
-    database.set_defaults(action=fault_database)
+    database.set_defaults(action=fault_database, flags={"DurationSeconds": "--duration"})
     fault.set_defaults(func=run)
     return fault

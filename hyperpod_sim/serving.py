@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import os
 import signal
@@ -37,6 +38,32 @@ from hyperpod_sim.settings import Settings
 
 class AlreadyServing(Exception):
     """Another control plane holds the data dir or the SQLite file."""
+
+
+class PortUnavailable(Exception):
+    """The address ``serve`` was to listen on is taken, or not this machine's."""
+
+
+@contextlib.contextmanager
+def bind(host: str, port: int) -> Iterator[socket.socket]:
+    """The listening socket, bound before anything starts or is announced: a busy port is one
+    line, and the banner that follows is true. uvicorn serves on it (:func:`run`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                problem = "is in use (another serve?); choose another with --port or HPSIM_PORT"
+            else:
+                problem = f"cannot be listened on: {exc.strerror or exc}"
+            raise PortUnavailable(f"{host}:{port} {problem}") from None
+        listener.listen(2048)
+        yield listener
+    finally:
+        listener.close()
 
 
 def lock_paths(settings: Settings) -> list[tuple[Path, str]]:
@@ -94,8 +121,10 @@ class ControlPlaneServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def run(app: Any, *, host: str, port: int, log_level: str) -> None:
-    """Serve ``app`` until SIGINT or SIGTERM, then stop gracefully (see the module's docstring)."""
+def run(app: Any, *, listener: socket.socket, log_level: str) -> None:
+    """Serve ``app`` on ``listener`` (:func:`bind`) until SIGINT or SIGTERM, then stop gracefully
+    (see the module's docstring)."""
+    host, port = listener.getsockname()[:2]
     server = ControlPlaneServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False), app
     )
@@ -104,7 +133,7 @@ def run(app: Any, *, host: str, port: int, log_level: str) -> None:
     # ran. It has been handled: let that be a no-op.
     stopped = {sig: signal.signal(sig, _handled) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         for sig, handler in stopped.items():
             signal.signal(sig, handler)

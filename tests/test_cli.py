@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -349,3 +350,74 @@ def test_the_command_stays_light() -> None:
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_help_and_version_speak_to_the_user() -> None:
+    shown = ok(hpsim(None, "--help"))
+    assert "lazily" not in shown
+    assert "thin shell" not in shown
+    assert "serve" in shown
+    assert "cluster" in shown
+    assert ok(hpsim(None, "--version")) == "hyperpod-sim 0.1.0\n"
+
+
+def test_required_arguments_and_flag_names(plane: str) -> None:
+    # Without --file, argparse itself asks for the name and a group (usage, exit status 2).
+    usage = hpsim(plane, "cluster", "create", "--instance-group", "workers:ml.g5.2xlarge:1")
+    assert usage.returncode == 2
+    assert usage.stderr.splitlines()[-1] == (
+        "hyperpod-sim cluster create: error: the following arguments are required without --file: --name"
+    )
+    assert hpsim(plane, "cluster", "create").stderr.endswith("--file: --name, --instance-group\n")
+    # The service's message names the flag that was missing, not the wire member.
+    ok(hpsim(plane, "cluster", "create", "--name", "flags", "--instance-group", "w:ml.g5.2xlarge:1"))
+    assert failed(hpsim(plane, "fault", "inject", "flags", "--type", "S3Latency")) == (
+        "error: ValidationException: 1 validation error detected: Value null at --latency-ms failed to "
+        "satisfy constraint: Member must not be null"
+    )
+    line = failed(hpsim(plane, "fault", "inject", "flags", "--type", "AgentHang", "--instance-id", "i-0"))
+    assert "Value null at --duration failed" in line
+
+
+def test_fault_database_shows_times_like_every_command(plane: str) -> None:
+    started = ok(hpsim(plane, "fault", "database", "--duration", "1")).strip()
+    assert re.fullmatch(
+        r"f-[0-9a-f]{16} \(DatabaseOutage\) until \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", started
+    )
+
+
+def test_a_closed_pipe_ends_quietly(plane: str) -> None:
+    """``hyperpod-sim cluster list | head``: the reader went away; no traceback, status 141."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "hyperpod_sim", "cluster", "list", "--endpoint-url", plane],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    child.stdout.close()  # before the command writes: its write fails with EPIPE
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 141
+    assert err == ""
+
+
+def test_serve_says_in_one_line_when_its_port_is_busy_or_invalid(tmp_path: Path) -> None:
+    env = {"HPSIM_S3__EMBEDDED": "off", "HPSIM_PROVISIONING__MODE": "simulated"}
+    invalid = hpsim(None, "serve", "--port", "99999", "--data-dir", str(tmp_path / "a"), env=env)
+    assert invalid.returncode == 2
+    assert invalid.stderr.splitlines()[-1] == (
+        "hyperpod-sim serve: error: argument --port: 99999 is not a port: use 1..65535 (or 0: any free one)"
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = hpsim(None, "serve", "--port", str(port), "--data-dir", str(tmp_path / "b"), env=env)
+    # No banner: it comes only once the port is bound.
+    assert busy.returncode == 1
+    assert busy.stdout == ""
+    assert busy.stderr == (
+        f"hyperpod-sim serve: 127.0.0.1:{port} is in use (another serve?); choose another with --port "
+        "or HPSIM_PORT\n"
+    )

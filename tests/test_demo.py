@@ -29,6 +29,12 @@ def test_the_demo_loses_a_node_and_resumes(tmp_path: Path) -> None:
     resumed = int(re.search(r"resumed from:\s+step (\d+)", report).group(1))  # type: ignore[union-attr]
     assert resumed >= 8
     # Rank 1's own node is gone: its shard came from the replica on another node.
-    assert "'1': 'replica'" in report or "'1': 'peer'" in report, report
+    assert re.search(r"^\s+rank 1\s.*\b(replica|peer)$", report, re.MULTILINE), report
+    # One step count, one restore time, the replacement timed from the injection.
+    failed_at = re.search(r"after step (\d+)", report).group(1)  # type: ignore[union-attr]
+    assert f"(rank 1's node) after step {failed_at}\n" in out
+    assert "resumed from step" not in out
+    assert out.count("restore took:") == 1
+    assert re.search(r"replaced in:\s+\d+\.\d s from the injection", report), report
     assert "is replaced by" in report
     assert "done: steps" in out

@@ -39,7 +39,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as exc:  # the SDK installed without the trainer extra: say which
+    raise ModuleNotFoundError(
+        "hyperpod_sim.sdk.checkpoint needs torch: pip install 'hyperpod-sim[trainer]'", name=exc.name
+    ) from None
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
