@@ -14,6 +14,7 @@ from hyperpod_sim import __version__
 if TYPE_CHECKING:
     import socket
 
+    from hyperpod_sim import serving
     from hyperpod_sim.settings import Settings
 
 DESCRIPTION = """A local SageMaker HyperPod control plane with managed tiered checkpointing: run it
@@ -58,14 +59,20 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        with serving.hold_lock(settings), serving.bind(settings.host, settings.port) as listener:
-            return _serve_locked(settings, args.log_level, listener)
+        with (
+            serving.StopSignals() as early,
+            serving.hold_lock(settings),
+            serving.bind(settings.host, settings.port) as listener,
+        ):
+            return _serve_locked(settings, args.log_level, listener, early)
     except (serving.AlreadyServing, serving.PortUnavailable) as exc:
         print(f"hyperpod-sim serve: {exc}", file=sys.stderr)
         return 1
 
 
-def _serve_locked(settings: Settings, log_level: str, listener: socket.socket) -> int:
+def _serve_locked(
+    settings: Settings, log_level: str, listener: socket.socket, early: serving.StopSignals
+) -> int:
     """``serve`` once it holds the data dir and its port (hyperpod_sim/serving.py)."""
     from hyperpod_sim import serving
     from hyperpod_sim.api.app import create_app
@@ -95,7 +102,7 @@ def _serve_locked(settings: Settings, log_level: str, listener: socket.socket) -
             flush=True,
         )
         # Returns after SIGINT or SIGTERM once the agents have stopped (drained to the S3 below).
-        serving.run(app, listener=listener, log_level=log_level)
+        serving.run(app, listener=listener, log_level=log_level, early=early)
     finally:
         if embedded is not None:
             embedded.stop()

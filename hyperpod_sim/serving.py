@@ -102,10 +102,18 @@ def hold_lock(settings: Settings) -> Iterator[None]:
 class ControlPlaneServer(uvicorn.Server):
     """uvicorn, with the control plane's agents stopped before the listener closes."""
 
-    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+    def __init__(self, config: uvicorn.Config, app: Any, *, early: StopSignals) -> None:
         super().__init__(config)
         self._app = app
         self._hurry = threading.Event()
+        self._early = early
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # A SIGINT or SIGTERM that came before uvicorn listened for them (while the embedded S3
+        # started, or the app was built) stops this server now, gracefully, instead of being lost.
+        for sig in self._early.take():
+            self.handle_exit(sig, None)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
@@ -121,25 +129,44 @@ class ControlPlaneServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def run(app: Any, *, listener: socket.socket, log_level: str) -> None:
+class StopSignals:
+    """SIGINT and SIGTERM from the start of ``serve`` until uvicorn takes them over: recorded, so a
+    stop asked for while the embedded S3 starts or the app is built is neither lost (uvicorn
+    would then serve on, deaf to it) nor a kill that skips the agents' drain. uvicorn replays the
+    signal it handled once it returns; here that is recorded too, and ignored."""
+
+    def __init__(self) -> None:
+        self._pending: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        self._previous = {sig: signal.signal(sig, self._record) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _record(self, sig: int, frame: FrameType | None) -> None:
+        self._pending.append(sig)
+
+    @property
+    def stop_asked(self) -> bool:
+        return bool(self._pending)
+
+    def take(self) -> list[int]:
+        taken, self._pending = self._pending, []
+        return taken
+
+
+def run(app: Any, *, listener: socket.socket, log_level: str, early: StopSignals) -> None:
     """Serve ``app`` on ``listener`` (:func:`bind`) until SIGINT or SIGTERM, then stop gracefully
-    (see the module's docstring)."""
+    (see the module's docstring). ``early``: the signals recorded since serve started (in force
+    around this call), replayed once uvicorn is up."""
     host, port = listener.getsockname()[:2]
     server = ControlPlaneServer(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False), app
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False), app, early=early
     )
-    # uvicorn raises the signal that stopped it again once it has returned; with the default
-    # handlers SIGTERM would then end the process before the caller's cleanup (the embedded S3)
-    # ran. It has been handled: let that be a no-op.
-    stopped = {sig: signal.signal(sig, _handled) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run(sockets=[listener])
-    finally:
-        for sig, handler in stopped.items():
-            signal.signal(sig, handler)
+    server.run(sockets=[listener])
     if not server.started:
         raise SystemExit(3)  # as uvicorn.run: the start failed (uvicorn logged why)
-
-
-def _handled(sig: int, frame: FrameType | None) -> None:
-    return None
