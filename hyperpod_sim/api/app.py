@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Scope
 
 from hyperpod_sim.api import agent_routes, console_routes, extension_routes, rest
 from hyperpod_sim.api.auth import Authenticator
@@ -133,6 +135,19 @@ def build_services(
     )
 
 
+_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+
+
+def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """The methods some route serves on the request's path (the ``Allow`` of a 405): Starlette
+    names only those of the first route that matches, and FastAPI's included routers none."""
+    return [
+        method
+        for method in _METHODS
+        if any(route.matches({**scope, "method": method})[0] is Match.FULL for route in app.router.routes)
+    ]
+
+
 def create_app(
     settings: Settings,
     *,
@@ -192,15 +207,20 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Paths and methods no route serves answer in the AWS shape too."""
+        headers: dict[str, str] = {}
         if exc.status_code == 405:
+            allowed = allowed_methods(app, request.scope)
             message = f"Method {request.method} is not allowed on {request.url.path}."
+            headers["Allow"] = ", ".join(allowed)
         elif exc.status_code == 404:
             message = f"No route serves {request.method} {request.url.path}; see /docs."
         else:
             message = str(exc.detail)
-        return error_response(
+        response = error_response(
             UnknownOperationException(message), exc.status_code, media_type="application/json"
         )
+        response.headers.update(headers)
+        return response
 
     @app.get(
         "/health",

@@ -17,8 +17,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 
-from hyperpod_sim.api import extension_routes, shapes
-from hyperpod_sim.api.deps import ServicesDep, as_aws_error, parse_json
+from hyperpod_sim.api import extension_routes, openapi_doc, shapes
+from hyperpod_sim.api.deps import AMZ_JSON, ServicesDep, as_aws_error, parse_json
 from hyperpod_sim.api.gate import AGENT_PREFIX, OPEN_PATHS
 from hyperpod_sim.api.operations import OPERATIONS, dispatch
 from hyperpod_sim.domain.errors import (
@@ -239,16 +239,44 @@ def _make_endpoint(route: Route) -> Callable[..., Any]:
     return endpoint
 
 
+def _body_schema(route: Route, shape: Any) -> dict[str, Any]:
+    """The input structure, less the members the path gives (the path's value is the one used)."""
+    if not route.path_members:
+        return {"$ref": f"#/components/schemas/{shape.name}"}
+    components: dict[str, dict[str, Any]] = {}
+    shapes.shape_to_json_schema(shape, components)
+    schema = dict(components[shape.name])
+    located = set(route.path_members.values())
+    schema["properties"] = {k: v for k, v in schema["properties"].items() if k not in located}
+    required = [name for name in schema.get("required", ()) if name not in located]
+    schema.pop("required", None)
+    if required:
+        schema["required"] = required
+    return schema
+
+
 def _openapi_extra(route: Route) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     shape = shapes.service_model().operation_model(route.operation).input_shape
     if route.body:
-        content: dict[str, Any] = {"schema": {"$ref": f"#/components/schemas/{shape.name}"}}
+        content: dict[str, Any] = {"schema": _body_schema(route, shape)}
         if route.example is not None:
             content["example"] = route.example
         extra["requestBody"] = {"required": True, "content": {"application/json": content}}
+    params: list[dict[str, Any]] = []
+    for parameter, member_name in route.path_members.items():
+        schema = shapes.shape_to_json_schema(shape.members[member_name], {})
+        params.append(
+            {
+                "name": parameter,
+                "in": "path",
+                "required": True,
+                "schema": schema,
+                "description": f"The input's `{member_name}`. " + schema.pop("description", ""),
+            }
+        )
+    extra["parameters"] = params
     if route.query:
-        params = []
         for name, member in shape.members.items():
             if name in route.path_members.values():
                 continue
@@ -262,15 +290,8 @@ def _openapi_extra(route: Route) -> dict[str, Any]:
                     "description": schema.get("description", ""),
                 }
             )
-        extra["parameters"] = params
     return extra
 
-
-_UNAUTHORIZED = (
-    "With credentials configured (HPSIM_AUTH__CREDENTIALS): MissingAuthenticationToken, "
-    "UnrecognizedClientException or InvalidSignatureException (AWS error shape, docs/security.md)"
-)
-_TOO_LARGE = "SerializationException: the body is over HPSIM_LIMITS__MAX_BODY_BYTES"
 
 for _route in ROUTES:
     _output = shapes.service_model().operation_model(_route.operation).output_shape
@@ -297,13 +318,20 @@ for _route in ROUTES:
                     }
                 },
             },
-            400: {"description": "ValidationException and other client errors (AWS error shape)"},
-            401: {"description": _UNAUTHORIZED},
             404: {"description": "ResourceNotFound"},
             409: {"description": "ResourceInUse or ConflictException"},
-            413: {"description": _TOO_LARGE},
         },
     )
+
+
+def _strings(*names: str) -> dict[str, Any]:
+    """The schema of an answer whose members are all strings, all present."""
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string"} for name in names},
+        "required": list(names),
+        "additionalProperties": False,
+    }
 
 
 @router.get(
@@ -313,6 +341,23 @@ for _route in ROUTES:
     "agent which registers with it and is bound to a pending node slot (docs/agent-protocol.md). "
     "With the local provisioner the control plane starts agents itself.",
     tags=["agents"],
+    responses={
+        200: {
+            "content": {
+                "application/json": {
+                    "schema": _strings("ClusterName", "ControlPlaneUrl", "BootstrapToken", "Command"),
+                    "example": {
+                        "ClusterName": "demo",
+                        "ControlPlaneUrl": "http://127.0.0.1:8080",
+                        "BootstrapToken": "b1f0...",
+                        "Command": "HPSIM_AGENT_TOKEN=b1f0... hyperpod-sim agent "
+                        "--control-plane http://127.0.0.1:8080 --cluster demo",
+                    },
+                }
+            }
+        },
+        404: {"description": "ResourceNotFound"},
+    },
 )
 async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
 
@@ -342,12 +387,13 @@ async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
         200: {
             "content": {
                 "application/json": {
+                    "schema": _strings("ClusterName", "ClusterArn", "AgentAccess", "CheckpointToken"),
                     "example": {
                         "ClusterName": "demo",
                         "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
                         "AgentAccess": "Token",
                         "CheckpointToken": "3f1c...",
-                    }
+                    },
                 }
             }
         },
@@ -454,8 +500,27 @@ def _aws_json_entry_doc() -> dict[str, Any]:
             },
         },
         "responses": {
-            "200": {"description": "The operation's output as JSON"},
-            "400": {"description": 'AWS error: `{"__type": "<Code>", "message": "..."}`'},
+            "200": {
+                "description": "The operation's output as JSON",
+                "content": {
+                    AMZ_JSON: {
+                        "schema": {"type": "object"},
+                        "example": {"Clusters": [], "NextToken": None},
+                    }
+                },
+            },
+            "400": {
+                "description": 'AWS error: `{"__type": "<Code>", "message": "..."}`',
+                "content": {
+                    AMZ_JSON: {
+                        "schema": {"$ref": f"#/components/schemas/{openapi_doc.AWS_ERROR}"},
+                        "example": {
+                            "__type": "ResourceNotFound",
+                            "message": "Cluster 'demo' does not exist.",
+                        },
+                    }
+                },
+            },
         },
     }
 
@@ -496,6 +561,7 @@ def install_openapi(app: FastAPI) -> None:
                 for operation in operations.values():
                     operation["security"] = []
         schema["paths"]["/"] = {"post": _aws_json_entry_doc()}
+        openapi_doc.finish(schema)
         app.openapi_schema = schema
         return schema
 
