@@ -26,7 +26,12 @@ from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
 from hyperpod_sim.domain.checkpoints import CheckpointCatalog
 from hyperpod_sim.domain.clock import Clock, Ids, SystemClock
 from hyperpod_sim.domain.clusters import ClusterService, DomainConfig
-from hyperpod_sim.domain.errors import AwsError, UnknownOperationException, ValidationException
+from hyperpod_sim.domain.errors import (
+    AwsError,
+    SerializationException,
+    UnknownOperationException,
+    ValidationException,
+)
 from hyperpod_sim.domain.faults import FaultService
 from hyperpod_sim.domain.provisioning import Provisioner
 from hyperpod_sim.domain.reconciler import Reconciler, ReconcilerConfig
@@ -206,19 +211,28 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        """Paths and methods no route serves answer in the AWS shape too."""
+        """Paths and methods no route serves answer in the AWS shape too (the agent protocol's
+        under /agent/); so does a body FastAPI cannot parse (400 SerializationException)."""
         headers: dict[str, str] = {}
+        error: AwsError
         if exc.status_code == 405:
-            allowed = allowed_methods(app, request.scope)
-            message = f"Method {request.method} is not allowed on {request.url.path}."
-            headers["Allow"] = ", ".join(allowed)
+            headers["Allow"] = ", ".join(allowed_methods(app, request.scope))
+            error = UnknownOperationException(
+                f"Method {request.method} is not allowed on {request.url.path}."
+            )
         elif exc.status_code == 404:
-            message = f"No route serves {request.method} {request.url.path}; see /docs."
+            error = UnknownOperationException(
+                f"No route serves {request.method} {request.url.path}; see /docs."
+            )
+        elif exc.status_code == 400:
+            error = SerializationException(str(exc.detail))
         else:
-            message = str(exc.detail)
-        response = error_response(
-            UnknownOperationException(message), exc.status_code, media_type="application/json"
-        )
+            error = UnknownOperationException(str(exc.detail))
+        if request.url.path.startswith("/agent/"):
+            code = {400: "InvalidRequest", 404: "NoRoute", 405: "MethodNotAllowed"}.get(exc.status_code)
+            body = {"error": code or error.code, "message": error.message}
+            return JSONResponse(body, status_code=exc.status_code, headers=headers)
+        response = error_response(error, exc.status_code, media_type="application/json")
         response.headers.update(headers)
         return response
 

@@ -20,7 +20,7 @@ from hyperpod_sim.api import overview
 STATIC = Path(__file__).with_name("console")
 ASSETS = {
     "app.js": "text/javascript; charset=utf-8",
-    "hyperpod_sim.api.js": "text/javascript; charset=utf-8",
+    "api.js": "text/javascript; charset=utf-8",
     "views.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }

@@ -44,7 +44,7 @@ class InstanceGroupCounts(BaseModel):
     CurrentCount: int
 
 
-class ClusterSummary(BaseModel):
+class OverviewClusterSummary(BaseModel):
     ClusterName: str
     ClusterArn: str
     ClusterStatus: str
@@ -62,7 +62,7 @@ class ClusterSummary(BaseModel):
 
 
 class ClustersOverview(BaseModel):
-    Clusters: list[ClusterSummary]
+    Clusters: list[OverviewClusterSummary]
 
 
 class NodeView(BaseModel):
@@ -110,7 +110,7 @@ class NamespaceView(BaseModel):
     Restore: RestorePlan | None = Field(description="What a restore would read now; null: nothing complete.")
 
 
-class ClusterOverview(ClusterSummary):
+class ClusterOverview(OverviewClusterSummary):
     CheckpointPolicy: dict[str, Any] = Field(description="As GET /clusters/{name}/checkpoint-policy.")
     Nodes: list[NodeView]
     Checkpoints: list[NamespaceView]

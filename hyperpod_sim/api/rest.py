@@ -545,7 +545,13 @@ def install_openapi(app: FastAPI) -> None:
                 if shape is not None:
                     shapes.shape_to_json_schema(shape, components)
         components.update(extension_routes.COMPONENTS)
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        # The routes' own models (pydantic) must not share a name with a model's structure: one
+        # would silently replace the other, and its answers break the schema documented for them.
+        own = schema.setdefault("components", {}).setdefault("schemas", {})
+        clashes = sorted(set(own) & set(components))
+        if clashes:
+            raise RuntimeError(f"OpenAPI schema names used twice: {', '.join(clashes)}")
+        own.update(components)
         # The browser's way in (api/gate.py): Swagger UI's Authorize button sends the bearer token.
         schema["components"]["securitySchemes"] = {
             "bearer": {
