@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
-from hyperpod_sim.api import agent_routes, console_routes, extension_routes, rest
+from hyperpod_sim.api import agent_routes, console_routes, docs_routes, extension_routes, rest
 from hyperpod_sim.api.auth import Authenticator
 from hyperpod_sim.api.awsjson import AwsJsonEntry
 from hyperpod_sim.api.deps import Services, ServicesDep, as_aws_error, error_response
@@ -194,6 +194,9 @@ def create_app(
             "credential once `HPSIM_AUTH__ADMIN_CREDENTIALS` is set. See docs/security.md."
         ),
         lifespan=lifespan,
+        # Served with their files from this server (hyperpod_sim/api/docs_routes.py), not a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
 
     @app.exception_handler(AwsError)
@@ -254,6 +257,7 @@ def create_app(
     app.include_router(rest.router)
     app.include_router(extension_routes.router)
     app.include_router(agent_routes.router)
+    docs_routes.install(app)
     console_routes.install(app)
     app.add_middleware(AwsJsonEntry)
     # Outermost of our layers: nothing reaches a route (or the AWS JSON entry) without passing it.
