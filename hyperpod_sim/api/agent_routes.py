@@ -20,7 +20,8 @@ router = APIRouter(prefix="/agent/v1", tags=["agents"])
 class Registration(BaseModel):
     node_id: str | None = Field(default=None, description="Null for agents of the external provisioner.")
     endpoint: str = Field(
-        description="Where the control plane reaches the agent, e.g. http://127.0.0.1:41234"
+        description="Where the control plane reaches the agent, e.g. http://127.0.0.1:41234",
+        examples=["http://10.0.0.12:9000"],
     )
     pid: int | None = None
     instance_type: str | None = None
@@ -56,13 +57,29 @@ class AgentEvent(BaseModel):
 # models only describe them in the OpenAPI document.
 
 
+_POLICY = {
+    "generation": 3,
+    "cluster_name": "demo",
+    "node_id": "i-0123456789abcdef0",
+    "instance_group": "workers",
+    "tiered_storage": {"enabled": True, "memory_percentage": 20},
+    "in_memory_retention": 3,
+}
+
+
 class Registered(BaseModel):
     node_id: str = Field(examples=["i-0123456789abcdef0"])
-    node_token: str = Field(description="What the agent sends on its own calls from now on.")
-    control_plane_token: str = Field(description="What the control plane sends on its pushes to the agent.")
-    cluster_token: str = Field(description="For calls between the cluster's agents.")
+    node_token: str = Field(
+        examples=["3f1c..."], description="What the agent sends on its own calls from now on."
+    )
+    control_plane_token: str = Field(
+        examples=["3f1c..."], description="What the control plane sends on its pushes to the agent."
+    )
+    cluster_token: str = Field(examples=["3f1c..."], description="For calls between the cluster's agents.")
     heartbeat_interval_s: float = Field(examples=[5.0])
-    policy: dict[str, Any] = Field(description="The node's policy (docs/agent-protocol.md).")
+    policy: dict[str, Any] = Field(
+        description="The node's policy (docs/agent-protocol.md).", examples=[_POLICY]
+    )
 
 
 class HeartbeatAnswer(BaseModel):
@@ -70,12 +87,12 @@ class HeartbeatAnswer(BaseModel):
 
 
 class EventRecorded(BaseModel):
-    event_id: str
+    event_id: str = Field(examples=["2f6c0d1e-8b3a-4c5d-9e7f-0a1b2c3d4e5f"])
 
 
 class Member(BaseModel):
-    node_id: str
-    instance_group: str
+    node_id: str = Field(examples=["i-0123456789abcdef0"])
+    instance_group: str = Field(examples=["workers"])
     status: str = Field(examples=["Running"])
     endpoint: str | None = Field(examples=["http://10.0.0.12:41234"])
 
@@ -102,14 +119,6 @@ class NamespacesReset(BaseModel):
     deleted: int = Field(description="How many namespaces were deleted.", examples=[2])
 
 
-_POLICY = {
-    "generation": 3,
-    "cluster_name": "demo",
-    "node_id": "i-0123456789abcdef0",
-    "instance_group": "workers",
-    "tiered_storage": {"enabled": True, "memory_percentage": 20},
-    "in_memory_retention": 3,
-}
 _NO_SLOT: dict[int | str, dict[str, Any]] = {
     409: {"description": "NoPendingSlot: every node slot of the cluster has an agent"}
 }

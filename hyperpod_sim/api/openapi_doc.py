@@ -109,6 +109,15 @@ _AGENT_SHARED: dict[str, tuple[str, str, str]] = {
         "the control plane's database is unavailable",
     ),
 }
+# What the service says with each code, for the examples of the answers that name it first.
+MESSAGES = {
+    "ResourceNotFound": "Cluster 'demo' does not exist.",
+    "ResourceInUse": "Cluster with name 'demo' already exists.",
+    "ConflictException": "Cluster 'demo' is Creating; wait until it is InService.",
+    "AccessDeniedException": "The access key hpsim-user is not authorized to inject or clear faults.",
+    "NoPendingSlot": "Every node slot of cluster 'demo' has an agent.",
+    "NamespaceExists": "Namespace 'llama' already exists.",
+}
 _CODE = re.compile(r"\b([A-Z][a-z]+(?:[A-Z][a-z0-9]*)+)\b")
 
 ARN = "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl"
@@ -174,7 +183,8 @@ def _document_errors(path: str, operation: dict[str, Any]) -> None:
         _, code, message = shared.get(status, ("", "", ""))
         named = _CODE.search(response.get("description", ""))
         if named is not None and named.group(1) != code:
-            code, message = named.group(1), response["description"]
+            code = named.group(1)
+            message = MESSAGES.get(code, response["description"])
         code = code or ("ConflictException" if status == "409" else "ValidationException")
         ref, key = (AGENT_ERROR, "error") if agent else (AWS_ERROR, "__type")
         media_type = "application/x-amz-json-1.1" if path == "/" else "application/json"
@@ -193,6 +203,10 @@ def example(schema: dict[str, Any], components: dict[str, Any], depth: int = 0, 
     schema = _resolve(schema, components)
     if "example" in schema:
         return schema["example"]
+    if schema.get("examples"):
+        return schema["examples"][0]
+    if name in VALUES and VALUES[name] in schema.get("enum", [VALUES[name]]):
+        return VALUES[name]
     if "enum" in schema:
         return schema["enum"][0]
     for key in ("anyOf", "oneOf"):
@@ -202,8 +216,6 @@ def example(schema: dict[str, Any], components: dict[str, Any], depth: int = 0, 
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
-    if name in VALUES and kind in ("string", "integer", "number"):
-        return VALUES[name]
     if kind == "object":
         properties: dict[str, Any] = schema.get("properties", {})
         required = set(schema.get("required", ()))
