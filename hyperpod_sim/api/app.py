@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
-from hyperpod_sim.api import agent_routes, console_routes, docs_routes, extension_routes, rest
+from hyperpod_sim.api import agent_routes, console_routes, docs_routes, extension_routes, openapi, rest
 from hyperpod_sim.api.auth import Authenticator
 from hyperpod_sim.api.awsjson import AwsJsonEntry
 from hyperpod_sim.api.deps import Services, ServicesDep, as_aws_error, error_response
@@ -267,5 +267,5 @@ def create_app(
         max_body_bytes=settings.limits.max_body_bytes,
         max_json_depth=settings.limits.max_json_depth,
     )
-    rest.install_openapi(app)
+    openapi.install_openapi(app)
     return app

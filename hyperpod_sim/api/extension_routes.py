@@ -270,7 +270,7 @@ def _make_endpoint(route: ExtensionRoute) -> Callable[..., Any]:
 
 
 COMPONENTS: dict[str, dict[str, Any]] = {}
-"""Structures the routes' schemas refer to (hyperpod_sim/api/rest.py adds them to the OpenAPI document)."""
+"""Structures the routes' schemas refer to (hyperpod_sim/api/openapi.py adds them to the OpenAPI document)."""
 
 for _route in ROUTES:
     _model_operation = _operation(_route.operation)
