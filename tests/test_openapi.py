@@ -38,6 +38,13 @@ def test_the_document_is_valid_openapi(document: dict[str, Any]) -> None:
     assert errors == []
 
 
+def test_every_operation_has_a_name_of_its_own(document: dict[str, Any]) -> None:
+    """CamelCase like the AWS operations (what Swagger UI shows and client generators name)."""
+    names = [operation["operationId"] for _, _, operation in operations(document)]
+    assert len(names) == len(set(names))
+    assert [name for name in names if not regex.fullmatch(r"(?:[A-Z][a-z0-9]*)+", name)] == []
+
+
 def test_every_path_parameter_is_declared(document: dict[str, Any]) -> None:
     for method, path, operation in operations(document):
         declared = {p["name"] for p in operation.get("parameters", []) if p["in"] == "path"}

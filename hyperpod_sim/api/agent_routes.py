@@ -8,13 +8,20 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import OperationalError
 
 from hyperpod_sim.api.deps import ServicesDep
 from hyperpod_sim.domain.errors import AgentProtocolError
 
-router = APIRouter(prefix="/agent/v1", tags=["agents"])
+
+def _operation_id(route: APIRoute) -> str:
+    """``Agent`` and the handler's name in CamelCase: AgentRegister, AgentListNamespaces, ..."""
+    return "Agent" + "".join(word.capitalize() for word in route.name.split("_"))
+
+
+router = APIRouter(prefix="/agent/v1", tags=["agents"], generate_unique_id_function=_operation_id)
 
 
 class Registration(BaseModel):

@@ -241,6 +241,7 @@ def create_app(
 
     @app.get(
         "/health",
+        operation_id="Health",
         tags=["service"],
         summary="Liveness and database check",
         description='200 with `{"status": "ok"}` when the service runs and its database answers; 503 '

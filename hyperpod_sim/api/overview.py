@@ -189,6 +189,7 @@ _CONDITIONAL: dict[int | str, dict[str, Any]] = {
 
 @router.get(
     "/overview",
+    operation_id="GetOverview",
     summary="Every cluster, summarized (hyperpod-sim extension)",
     description="Status, orchestrator, tiered storage, policy generation applied vs desired, node "
     "counts by status and instance groups of every cluster, oldest first. Answers an ETag; send it "
@@ -233,6 +234,7 @@ def _cluster_view(services: Services, overview: OverviewService, agents: _AgentV
 
 @router.get(
     "/clusters/{name}/overview",
+    operation_id="GetClusterOverview",
     summary="One cluster as a console shows it (hyperpod-sim extension)",
     description="The cluster's summary (as in GET /overview), its checkpoint policy, its nodes in "
     "replica-ring order (replica peers, agent endpoint, applied generation, memory held vs budget, "

@@ -334,6 +334,7 @@ def _strings(*names: str) -> dict[str, Any]:
 
 @router.get(
     "/clusters/{name}/agent-bootstrap",
+    operation_id="GetAgentBootstrap",
     summary="How to start an agent for this cluster (external provisioning)",
     description="hyperpod-sim extension. The cluster's bootstrap token and the command that starts an "
     "agent which registers with it and is bound to a pending node slot (docs/agent-protocol.md). "
@@ -375,6 +376,7 @@ async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
 
 @router.get(
     "/clusters/{name}/checkpoint-token",
+    operation_id="GetCheckpointToken",
     summary="The cluster's checkpoint token (hyperpod-sim extension)",
     description="What trainers send to the agents' checkpoint routes (`Authorization: Bearer <token>`, "
     "or `HPSIM_CHECKPOINT_TOKEN` for the SDK) when the checkpoint policy's `AgentAccess` is `Token`. "
@@ -440,6 +442,7 @@ CHECKPOINTS_EXAMPLE = {
 
 @router.get(
     "/clusters/{name}/checkpoints",
+    operation_id="ListCheckpoints",
     summary="Where the cluster's checkpoints are held (hyperpod-sim extension)",
     description="Every checkpoint namespace of the cluster with its steps, newest first: for each "
     "rank, the node holding its primary copy in memory (`Memory`) and the nodes holding a replica "
