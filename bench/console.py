@@ -167,9 +167,7 @@ def update_latency(endpoint: str, agent: str, repeats: int) -> dict[str, list[fl
 
 
 def weight() -> tuple[int, int]:
-    files = [
-        STATIC / name for name in ("index.html", "app.js", "api.js", "views.js", "style.css")
-    ]
+    files = [STATIC / name for name in ("index.html", "app.js", "api.js", "views.js", "style.css")]
     raw = sum(f.stat().st_size for f in files)
     return raw, sum(len(gzip.compress(f.read_bytes())) for f in files)
 

@@ -13,7 +13,8 @@ from fastapi import FastAPI
 
 from hyperpod_sim import cluster_cli
 from hyperpod_sim.api import extension_routes, extensions
-from hyperpod_sim.api.rest import install_openapi, status_for
+from hyperpod_sim.api.openapi import install_openapi
+from hyperpod_sim.api.rest import status_for
 from hyperpod_sim.contracts import extensions as model
 from hyperpod_sim.domain import errors
 from hyperpod_sim.domain.errors import SerializationException, ValidationException

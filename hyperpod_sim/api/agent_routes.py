@@ -8,6 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, Field
 from sqlalchemy.exc import OperationalError
 
 from hyperpod_sim.api.deps import ServicesDep
@@ -28,7 +30,86 @@ from hyperpod_sim.contracts.agent_api import (
 )
 from hyperpod_sim.domain.errors import AgentProtocolError
 
-router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agents"])
+
+def _operation_id(route: APIRoute) -> str:
+    """``Agent`` and the handler's name in CamelCase: AgentRegister, AgentListNamespaces, ..."""
+    return "Agent" + "".join(word.capitalize() for word in route.name.split("_"))
+
+
+router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agents"], generate_unique_id_function=_operation_id)
+
+
+# ---------------------------------------------------------------------- answers (documentation)
+# The routes answer the domain's documents as they are (hyperpod_sim/domain/agents.py); these
+# models only describe them in the OpenAPI document.
+
+
+_POLICY = {
+    "generation": 3,
+    "cluster_name": "demo",
+    "node_id": "i-0123456789abcdef0",
+    "instance_group": "workers",
+    "tiered_storage": {"enabled": True, "memory_percentage": 20},
+    "in_memory_retention": 3,
+}
+
+
+class Registered(BaseModel):
+    node_id: str = Field(examples=["i-0123456789abcdef0"])
+    node_token: str = Field(
+        examples=["3f1c..."], description="What the agent sends on its own calls from now on."
+    )
+    control_plane_token: str = Field(
+        examples=["3f1c..."], description="What the control plane sends on its pushes to the agent."
+    )
+    cluster_token: str = Field(examples=["3f1c..."], description="For calls between the cluster's agents.")
+    heartbeat_interval_s: float = Field(examples=[5.0])
+    policy: dict[str, Any] = Field(
+        description="The node's policy (docs/agent-protocol.md).", examples=[_POLICY]
+    )
+
+
+class HeartbeatAnswer(BaseModel):
+    desired_generation: int = Field(examples=[3])
+
+
+class EventRecorded(BaseModel):
+    event_id: str = Field(examples=["2f6c0d1e-8b3a-4c5d-9e7f-0a1b2c3d4e5f"])
+
+
+class Member(BaseModel):
+    node_id: str = Field(examples=["i-0123456789abcdef0"])
+    instance_group: str = Field(examples=["workers"])
+    status: str = Field(examples=["Running"])
+    endpoint: str | None = Field(examples=["http://10.0.0.12:41234"])
+
+
+class Members(BaseModel):
+    members: list[Member]
+
+
+class NamespaceDocument(BaseModel):
+    namespace: str = Field(examples=["llama"])
+    num_ranks: int = Field(examples=[3])
+    steps_to_retain_per_rank: int = Field(examples=[3])
+
+
+class Namespaces(BaseModel):
+    namespaces: list[NamespaceDocument]
+
+
+class NamespaceDeleted(BaseModel):
+    deleted: str = Field(description="The namespace's name.", examples=["llama"])
+
+
+class NamespacesReset(BaseModel):
+    deleted: int = Field(description="How many namespaces were deleted.", examples=[2])
+
+
+_NO_SLOT: dict[int | str, dict[str, Any]] = {
+    409: {"description": "NoPendingSlot: every node slot of the cluster has an agent"}
+}
+_EXISTS: dict[int | str, dict[str, Any]] = {409: {"description": "NamespaceExists"}}
 
 
 def bearer(request: Request) -> str | None:
@@ -68,6 +149,8 @@ async def _created(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> JSONResp
     "to a pending node slot no agent holds). The endpoint must be http://HOST:PORT (a loopback "
     "host with the local provisioner). Answers the node id, the node's new node token and "
     "control-plane token, the cluster token (for calls between agents) and the node's policy.",
+    response_model=Registered,
+    responses=_NO_SLOT,
 )
 async def register(cluster: str, body: Registration, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(
@@ -86,6 +169,7 @@ async def register(cluster: str, body: Registration, request: Request, services:
     description="With the node's own node token. Records liveness, the generation the agent applied "
     "and its S3 tier's status; answers the desired generation. 404 once the node is deleted "
     "(ShuttingDown included).",
+    response_model=HeartbeatAnswer,
 )
 async def heartbeat(
     cluster: str, node_id: str, body: Heartbeat, request: Request, services: ServicesDep
@@ -109,6 +193,7 @@ async def heartbeat(
     "persist to S3 while draining: an event of the node whose node token the call carries. Accepted "
     'while the cluster is Deleting and the node ShuttingDown. Answers 201 {"event_id": ...}.',
     status_code=201,
+    response_model=EventRecorded,
 )
 async def record_event(
     cluster: str, body: AgentEvent, request: Request, services: ServicesDep
@@ -128,6 +213,7 @@ async def record_event(
     summary="The node's current policy",
     description="What an agent pulls when its heartbeat says its generation is behind; with the "
     "node's own node token.",
+    responses={200: {"content": {"application/json": {"schema": {"type": "object"}, "example": _POLICY}}}},
 )
 async def policy(cluster: str, node_id: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(services.agents.policy, cluster_name=cluster, node_id=node_id, token=bearer(request))
@@ -137,6 +223,7 @@ async def policy(cluster: str, node_id: str, request: Request, services: Service
     MEMBERS_ROUTE,
     summary="The cluster's nodes in ring order",
     description="Node ids, groups, statuses and agent endpoints; agents resolve replica peers here.",
+    response_model=Members,
 )
 async def members(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(services.agents.members, cluster_name=cluster, token=bearer(request))
@@ -146,6 +233,7 @@ async def members(cluster: str, request: Request, services: ServicesDep) -> JSON
     NAMESPACES_ROUTE,
     summary="The cluster's checkpoint namespaces",
     description="Every namespace trainers created through any agent of the cluster.",
+    response_model=Namespaces,
 )
 async def list_namespaces(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(services.agents.list_namespaces, cluster_name=cluster, token=bearer(request))
@@ -156,6 +244,7 @@ async def list_namespaces(cluster: str, request: Request, services: ServicesDep)
     summary="A checkpoint namespace",
     description="Namespaces are cluster-wide: agents keep them here, so that a namespace created "
     "through one agent is known to every agent of the cluster.",
+    response_model=NamespaceDocument,
 )
 async def get_namespace(cluster: str, name: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(services.agents.get_namespace, cluster_name=cluster, token=bearer(request), name=name)
@@ -167,6 +256,8 @@ async def get_namespace(cluster: str, name: str, request: Request, services: Ser
     description="What an agent does when a trainer creates a namespace through it (409 if it exists). "
     "The retention is capped at the cluster's in-memory retention.",
     status_code=201,
+    response_model=NamespaceDocument,
+    responses=_EXISTS,
 )
 async def create_namespace(
     cluster: str, name: str, body: NamespaceCreation, request: Request, services: ServicesDep
@@ -185,6 +276,7 @@ async def create_namespace(
     NAMESPACE_ROUTE,
     summary="Delete a checkpoint namespace",
     description="The agent that received the trainer's delete then removes the data on every agent.",
+    response_model=NamespaceDeleted,
 )
 async def delete_namespace(cluster: str, name: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(
@@ -196,6 +288,7 @@ async def delete_namespace(cluster: str, name: str, request: Request, services: 
     NAMESPACES_RESET_ROUTE,
     summary="Delete every namespace of the cluster",
     description="The control plane's half of the protocol's cluster reset.",
+    response_model=NamespacesReset,
 )
 async def reset_namespaces(cluster: str, request: Request, services: ServicesDep) -> JSONResponse:
     return await _call(services.agents.reset_namespaces, cluster_name=cluster, token=bearer(request))

@@ -12,8 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Scope
 
-from hyperpod_sim.api import agent_routes, console_routes, extension_routes, rest
+from hyperpod_sim.api import agent_routes, console_routes, docs_routes, extension_routes, openapi, rest
 from hyperpod_sim.api.auth import Authenticator
 from hyperpod_sim.api.awsjson import AwsJsonEntry
 from hyperpod_sim.api.deps import Services, ServicesDep, as_aws_error, error_response
@@ -24,7 +26,12 @@ from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
 from hyperpod_sim.domain.checkpoints import CheckpointCatalog
 from hyperpod_sim.domain.clock import Clock, Ids, SystemClock
 from hyperpod_sim.domain.clusters import ClusterService, DomainConfig
-from hyperpod_sim.domain.errors import AwsError, UnknownOperationException, ValidationException
+from hyperpod_sim.domain.errors import (
+    AwsError,
+    SerializationException,
+    UnknownOperationException,
+    ValidationException,
+)
 from hyperpod_sim.domain.faults import FaultService
 from hyperpod_sim.domain.provisioning import Provisioner
 from hyperpod_sim.domain.reconciler import Reconciler, ReconcilerConfig
@@ -182,16 +189,43 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        """Paths and methods no route serves answer in the AWS shape too."""
+        """Paths and methods no route serves answer in the AWS shape too (the agent protocol's
+        under /agent/); so does a body FastAPI cannot parse (400 SerializationException)."""
+        headers: dict[str, str] = {}
+        error: AwsError
         if exc.status_code == 405:
-            message = f"Method {request.method} is not allowed on {request.url.path}."
+            headers["Allow"] = ", ".join(allowed_methods(app, request.scope))
+            error = UnknownOperationException(
+                f"Method {request.method} is not allowed on {request.url.path}."
+            )
         elif exc.status_code == 404:
-            message = f"No route serves {request.method} {request.url.path}; see /docs."
+            error = UnknownOperationException(
+                f"No route serves {request.method} {request.url.path}; see /docs."
+            )
+        elif exc.status_code == 400:
+            error = SerializationException(str(exc.detail))
         else:
-            message = str(exc.detail)
-        return error_response(
-            UnknownOperationException(message), exc.status_code, media_type="application/json"
-        )
+            error = UnknownOperationException(str(exc.detail))
+        if request.url.path.startswith("/agent/"):
+            code = {400: "InvalidRequest", 404: "NoRoute", 405: "MethodNotAllowed"}.get(exc.status_code)
+            body = {"error": code or error.code, "message": error.message}
+            return JSONResponse(body, status_code=exc.status_code, headers=headers)
+        response = error_response(error, exc.status_code, media_type="application/json")
+        response.headers.update(headers)
+        return response
+
+
+_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+
+
+def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """The methods some route serves on the request's path (the ``Allow`` of a 405): Starlette
+    names only those of the first route that matches, and FastAPI's included routers none."""
+    return [
+        method
+        for method in _METHODS
+        if any(route.matches({**scope, "method": method})[0] is Match.FULL for route in app.router.routes)
+    ]
 
 
 def create_app(
@@ -222,12 +256,16 @@ def create_app(
         summary="A local SageMaker HyperPod control plane with managed tiered checkpointing.",
         description=_description(),
         lifespan=lifespan,
+        # Served with their files from this server (hyperpod_sim/api/docs_routes.py), not a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
 
     _install_error_handlers(app)
 
     @app.get(
         "/health",
+        operation_id="Health",
         tags=["service"],
         summary="Liveness and database check",
         description='200 with `{"status": "ok"}` when the service runs and its database answers; 503 '
@@ -244,6 +282,7 @@ def create_app(
     app.include_router(rest.router)
     app.include_router(extension_routes.router)
     app.include_router(agent_routes.router)
+    docs_routes.install(app)
     console_routes.install(app)
     app.add_middleware(AwsJsonEntry)
     # Outermost of our layers: nothing reaches a route (or the AWS JSON entry) without passing it.
@@ -253,5 +292,5 @@ def create_app(
         max_body_bytes=settings.limits.max_body_bytes,
         max_json_depth=settings.limits.max_json_depth,
     )
-    rest.install_openapi(app)
+    openapi.install_openapi(app)
     return app

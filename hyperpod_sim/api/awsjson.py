@@ -3,7 +3,7 @@
 A plain ASGI layer in front of the FastAPI app. The hottest path of the service (every boto3 call)
 skips FastAPI's routing and dependency resolution: measured with bench/control_plane.py, this
 layer cut the server's CPU per DescribeCluster by about a third. Everything else falls through to
-the FastAPI app. The OpenAPI document describes this entry (hyperpod_sim/api/rest.py).
+the FastAPI app. The OpenAPI document describes this entry (hyperpod_sim/api/openapi.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from hyperpod_sim.api import extensions, shapes
+from hyperpod_sim.api import extensions, openapi_doc, shapes
 from hyperpod_sim.api.deps import AdminDep, ServicesDep, as_aws_error, parse_json
 from hyperpod_sim.contracts import extensions as model
 from hyperpod_sim.domain.errors import SerializationException
@@ -78,7 +78,7 @@ CONTROL_PLANE_FAULT_ANSWER = {
     "InjectedAt": 1764460800.0,
     "EndsAt": 1764460810.0,
 }
-_LISTED = {k: v for k, v in FAULT_ANSWER_EXAMPLE.items() if k != "ClusterName"}
+_LISTED = {k: v for k, v in FAULT_ANSWER_EXAMPLE.items() if k not in ("ClusterName", "PolicyGeneration")}
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,12 @@ ROUTES = [
         "GetCheckpointPolicy",
         "The cluster's checkpoint policy (hyperpod-sim extension)",
         "checkpointing",
-        answer={"ClusterName": "demo", **CHECKPOINT_POLICY_EXAMPLE, "PolicyGeneration": 2},
+        answer={
+            "ClusterName": "demo",
+            "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+            **CHECKPOINT_POLICY_EXAMPLE,
+            "PolicyGeneration": 2,
+        },
     ),
     ExtensionRoute(
         "PutCheckpointPolicy",
@@ -206,7 +211,16 @@ def _responses(
         status = error.metadata["error"]["httpStatusCode"]  # as hyperpod_sim/api/rest.py's status_for answers
         text = f"{error.name}: {shapes.description(error.documentation)}"
         previous = responses.get(status)
-        responses[status] = {"description": f"{previous['description']}; {text}" if previous else text}
+        if previous:
+            previous["description"] = f"{previous['description']}; {text}"
+            continue
+        # The error's wire body: its code and the model's message member.
+        example = {"__type": error.name, "message": shapes.description(error.documentation)}
+        schema = {"$ref": f"#/components/schemas/{openapi_doc.AWS_ERROR}"}
+        responses[status] = {
+            "description": text,
+            "content": {"application/json": {"schema": schema, "example": example}},
+        }
     return responses
 
 
@@ -256,7 +270,7 @@ def _make_endpoint(route: ExtensionRoute) -> Callable[..., Any]:
 
 
 COMPONENTS: dict[str, dict[str, Any]] = {}
-"""Structures the routes' schemas refer to (hyperpod_sim/api/rest.py adds them to the OpenAPI document)."""
+"""Structures the routes' schemas refer to (hyperpod_sim/api/openapi.py adds them to the OpenAPI document)."""
 
 for _route in ROUTES:
     _model_operation = _operation(_route.operation)

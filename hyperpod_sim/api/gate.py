@@ -46,6 +46,8 @@ OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "
 AGENT_PREFIX = "/agent/"
 # The web console's static files and the root page (hyperpod_sim/api/console_routes.py): no data, like /docs.
 CONSOLE_PAGES = ("/", "/console")
+# The documentation pages' own files (hyperpod_sim/api/docs_routes.py): no data either.
+DOCS_ASSETS = "/docs/assets/"
 # REST answers a missing or refused credential 401 (with a WWW-Authenticate challenge); the AWS JSON
 # entry answers with AWS's own statuses.
 _REST_UNAUTHORIZED = (MissingAuthenticationToken, UnrecognizedClientException, InvalidSignatureException)
@@ -138,7 +140,9 @@ class RequestGate:
         path: str = scope["path"]
         if path in OPEN_PATHS or path.startswith(AGENT_PREFIX):
             return None
-        if scope["method"] in ("GET", "HEAD") and (path in CONSOLE_PAGES or path.startswith("/console/")):
+        if scope["method"] in ("GET", "HEAD") and (
+            path in CONSOLE_PAGES or path.startswith(("/console/", DOCS_ASSETS))
+        ):
             return None
         headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
         request = IncomingRequest(

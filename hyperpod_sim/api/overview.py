@@ -44,7 +44,7 @@ class InstanceGroupCounts(BaseModel):
     CurrentCount: int
 
 
-class ClusterSummary(BaseModel):
+class OverviewClusterSummary(BaseModel):
     ClusterName: str
     ClusterArn: str
     ClusterStatus: str
@@ -62,7 +62,7 @@ class ClusterSummary(BaseModel):
 
 
 class ClustersOverview(BaseModel):
-    Clusters: list[ClusterSummary]
+    Clusters: list[OverviewClusterSummary]
 
 
 class NodeView(BaseModel):
@@ -110,7 +110,7 @@ class NamespaceView(BaseModel):
     Restore: RestorePlan | None = Field(description="What a restore would read now; null: nothing complete.")
 
 
-class ClusterOverview(ClusterSummary):
+class ClusterOverview(OverviewClusterSummary):
     CheckpointPolicy: dict[str, Any] = Field(description="As GET /clusters/{name}/checkpoint-policy.")
     Nodes: list[NodeView]
     Checkpoints: list[NamespaceView]
@@ -189,6 +189,7 @@ _CONDITIONAL: dict[int | str, dict[str, Any]] = {
 
 @router.get(
     "/overview",
+    operation_id="GetOverview",
     summary="Every cluster, summarized (hyperpod-sim extension)",
     description="Status, orchestrator, tiered storage, policy generation applied vs desired, node "
     "counts by status and instance groups of every cluster, oldest first. Answers an ETag; send it "
@@ -233,6 +234,7 @@ def _cluster_view(services: Services, overview: OverviewService, agents: _AgentV
 
 @router.get(
     "/clusters/{name}/overview",
+    operation_id="GetClusterOverview",
     summary="One cluster as a console shows it (hyperpod-sim extension)",
     description="The cluster's summary (as in GET /overview), its checkpoint policy, its nodes in "
     "replica-ring order (replica peers, agent endpoint, applied generation, memory held vs budget, "

@@ -13,14 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.openapi.utils import get_openapi
 
-from hyperpod_sim.api import extension_routes, shapes
+from hyperpod_sim.api import shapes
 from hyperpod_sim.api.deps import ServicesDep, as_aws_error, parse_json
-from hyperpod_sim.api.gate import AGENT_PREFIX, OPEN_PATHS
-from hyperpod_sim.api.operations import OPERATIONS, dispatch
+from hyperpod_sim.api.operations import dispatch
 from hyperpod_sim.domain.errors import (
     AwsError,
     ConflictException,
@@ -239,16 +237,44 @@ def _make_endpoint(route: Route) -> Callable[..., Any]:
     return endpoint
 
 
+def _body_schema(route: Route, shape: Any) -> dict[str, Any]:
+    """The input structure, less the members the path gives (the path's value is the one used)."""
+    if not route.path_members:
+        return {"$ref": f"#/components/schemas/{shape.name}"}
+    components: dict[str, dict[str, Any]] = {}
+    shapes.shape_to_json_schema(shape, components)
+    schema = dict(components[shape.name])
+    located = set(route.path_members.values())
+    schema["properties"] = {k: v for k, v in schema["properties"].items() if k not in located}
+    required = [name for name in schema.get("required", ()) if name not in located]
+    schema.pop("required", None)
+    if required:
+        schema["required"] = required
+    return schema
+
+
 def _openapi_extra(route: Route) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     shape = shapes.service_model().operation_model(route.operation).input_shape
     if route.body:
-        content: dict[str, Any] = {"schema": {"$ref": f"#/components/schemas/{shape.name}"}}
+        content: dict[str, Any] = {"schema": _body_schema(route, shape)}
         if route.example is not None:
             content["example"] = route.example
         extra["requestBody"] = {"required": True, "content": {"application/json": content}}
+    params: list[dict[str, Any]] = []
+    for parameter, member_name in route.path_members.items():
+        schema = shapes.shape_to_json_schema(shape.members[member_name], {})
+        params.append(
+            {
+                "name": parameter,
+                "in": "path",
+                "required": True,
+                "schema": schema,
+                "description": f"The input's `{member_name}`. " + schema.pop("description", ""),
+            }
+        )
+    extra["parameters"] = params
     if route.query:
-        params = []
         for name, member in shape.members.items():
             if name in route.path_members.values():
                 continue
@@ -262,15 +288,8 @@ def _openapi_extra(route: Route) -> dict[str, Any]:
                     "description": schema.get("description", ""),
                 }
             )
-        extra["parameters"] = params
     return extra
 
-
-_UNAUTHORIZED = (
-    "With credentials configured (HPSIM_AUTH__CREDENTIALS): MissingAuthenticationToken, "
-    "UnrecognizedClientException or InvalidSignatureException (AWS error shape, docs/security.md)"
-)
-_TOO_LARGE = "SerializationException: the body is over HPSIM_LIMITS__MAX_BODY_BYTES"
 
 for _route in ROUTES:
     _output = shapes.service_model().operation_model(_route.operation).output_shape
@@ -297,22 +316,47 @@ for _route in ROUTES:
                     }
                 },
             },
-            400: {"description": "ValidationException and other client errors (AWS error shape)"},
-            401: {"description": _UNAUTHORIZED},
             404: {"description": "ResourceNotFound"},
             409: {"description": "ResourceInUse or ConflictException"},
-            413: {"description": _TOO_LARGE},
         },
     )
 
 
+def _strings(*names: str) -> dict[str, Any]:
+    """The schema of an answer whose members are all strings, all present."""
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string"} for name in names},
+        "required": list(names),
+        "additionalProperties": False,
+    }
+
+
 @router.get(
     "/clusters/{name}/agent-bootstrap",
+    operation_id="GetAgentBootstrap",
     summary="How to start an agent for this cluster (external provisioning)",
     description="hyperpod-sim extension. The cluster's bootstrap token and the command that starts an "
     "agent which registers with it and is bound to a pending node slot (docs/agent-protocol.md). "
     "With the local provisioner the control plane starts agents itself.",
     tags=["agents"],
+    responses={
+        200: {
+            "content": {
+                "application/json": {
+                    "schema": _strings("ClusterName", "ControlPlaneUrl", "BootstrapToken", "Command"),
+                    "example": {
+                        "ClusterName": "demo",
+                        "ControlPlaneUrl": "http://127.0.0.1:8080",
+                        "BootstrapToken": "b1f0...",
+                        "Command": "HPSIM_AGENT_TOKEN=b1f0... hyperpod-sim agent "
+                        "--control-plane http://127.0.0.1:8080 --cluster demo",
+                    },
+                }
+            }
+        },
+        404: {"description": "ResourceNotFound"},
+    },
 )
 async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
 
@@ -332,6 +376,7 @@ async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
 
 @router.get(
     "/clusters/{name}/checkpoint-token",
+    operation_id="GetCheckpointToken",
     summary="The cluster's checkpoint token (hyperpod-sim extension)",
     description="What trainers send to the agents' checkpoint routes (`Authorization: Bearer <token>`, "
     "or `HPSIM_CHECKPOINT_TOKEN` for the SDK) when the checkpoint policy's `AgentAccess` is `Token`. "
@@ -342,12 +387,13 @@ async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
         200: {
             "content": {
                 "application/json": {
+                    "schema": _strings("ClusterName", "ClusterArn", "AgentAccess", "CheckpointToken"),
                     "example": {
                         "ClusterName": "demo",
                         "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
                         "AgentAccess": "Token",
                         "CheckpointToken": "3f1c...",
-                    }
+                    },
                 }
             }
         },
@@ -396,6 +442,7 @@ CHECKPOINTS_EXAMPLE = {
 
 @router.get(
     "/clusters/{name}/checkpoints",
+    operation_id="ListCheckpoints",
     summary="Where the cluster's checkpoints are held (hyperpod-sim extension)",
     description="Every checkpoint namespace of the cluster with its steps, newest first: for each "
     "rank, the node holding its primary copy in memory (`Memory`) and the nodes holding a replica "
@@ -415,88 +462,3 @@ async def list_checkpoints(name: str, services: ServicesDep) -> dict[str, Any]:
     except Exception as exc:
         raise as_aws_error(exc) from exc
     return listing.to_wire()
-
-
-def _aws_json_entry_doc() -> dict[str, Any]:
-    """OpenAPI entry for ``POST /``, which hyperpod_sim/api/awsjson.py serves in front of the routes."""
-    return {
-        "tags": ["aws"],
-        "summary": "AWS JSON 1.1 entry point (boto3, AWS CLI, sagemaker-core)",
-        "description": (
-            "The SageMaker wire protocol. The operation is named by the `X-Amz-Target` header, "
-            "the body is the operation's input as JSON, timestamps are epoch seconds. With "
-            "credentials configured (HPSIM_AUTH__CREDENTIALS) every call must be SigV4-signed with "
-            "one of them (UnrecognizedClientException, InvalidSignatureException, "
-            "IncompleteSignature, MissingAuthenticationToken otherwise); without, signatures are "
-            "not checked. Operations: "
-            + ", ".join(f"`{name}`" for name in sorted(OPERATIONS))
-            + ". Errors: HTTP 400 (500/503 for service faults) with "
-            '`{"__type": "<Code>", "message": "..."}`, which botocore raises as the modelled '
-            "exception."
-        ),
-        "operationId": "AwsJson",
-        "parameters": [
-            {
-                "name": "X-Amz-Target",
-                "in": "header",
-                "required": True,
-                "schema": {"type": "string", "example": "SageMaker.DescribeCluster"},
-                "description": "`SageMaker.<Operation>`",
-            }
-        ],
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/x-amz-json-1.1": {
-                    "schema": {"type": "object"},
-                    "example": {"ClusterName": "demo"},
-                }
-            },
-        },
-        "responses": {
-            "200": {"description": "The operation's output as JSON"},
-            "400": {"description": 'AWS error: `{"__type": "<Code>", "message": "..."}`'},
-        },
-    }
-
-
-def install_openapi(app: FastAPI) -> None:
-    """Add the botocore-derived schemas of every routed operation to the OpenAPI document."""
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema:
-            return app.openapi_schema
-        schema = get_openapi(
-            title=app.title,
-            version=app.version,
-            summary=app.summary,
-            description=app.description,
-            routes=app.routes,
-        )
-        components: dict[str, dict[str, Any]] = {}
-        for route in ROUTES:
-            operation = shapes.service_model().operation_model(route.operation)
-            for shape in (operation.input_shape, operation.output_shape):
-                if shape is not None:
-                    shapes.shape_to_json_schema(shape, components)
-        components.update(extension_routes.COMPONENTS)
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
-        # The browser's way in (api/gate.py): Swagger UI's Authorize button sends the bearer token.
-        schema["components"]["securitySchemes"] = {
-            "bearer": {
-                "type": "http",
-                "scheme": "bearer",
-                "description": "hpsim1.<access key id>.<mac>: `hyperpod-sim auth-token` prints it "
-                "(docs/security.md). SigV4 (boto3, the AWS CLI) is accepted as well.",
-            }
-        }
-        schema["security"] = [{"bearer": []}]
-        for path, operations in schema["paths"].items():
-            if path in OPEN_PATHS or path.startswith(AGENT_PREFIX):  # outside the access keys
-                for operation in operations.values():
-                    operation["security"] = []
-        schema["paths"]["/"] = {"post": _aws_json_entry_doc()}
-        app.openapi_schema = schema
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]

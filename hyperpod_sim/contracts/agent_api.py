@@ -49,7 +49,8 @@ class Registration(BaseModel):
 
     node_id: str | None = Field(default=None, description="Null for agents of the external provisioner.")
     endpoint: str = Field(
-        description="Where the control plane reaches the agent, e.g. http://127.0.0.1:41234"
+        description="Where the control plane reaches the agent, e.g. http://127.0.0.1:41234",
+        examples=["http://10.0.0.12:9000"],
     )
     pid: int | None = None
     instance_type: str | None = None
