@@ -15,7 +15,15 @@ from sqlalchemy import inspect, select, text
 from hyperpod_sim.models import Base, Cluster, Database, Node
 from hyperpod_sim.models.db import alembic_config
 
-TABLES = {"checkpoint_namespaces", "cluster_events", "clusters", "instance_groups", "nodes", "tags"}
+TABLES = {
+    "checkpoint_namespaces",
+    "cluster_events",
+    "cluster_operations",
+    "clusters",
+    "instance_groups",
+    "nodes",
+    "tags",
+}
 
 
 @pytest.fixture

@@ -34,8 +34,6 @@ NOT_SERVED: dict[str, str] = {
 } | {
     name: "not built yet (issue 15, apiops part 3)"
     for name in (
-        "DescribeClusterOperation",
-        "ListClusterOperations",
         "AttachClusterNodeNetworkInterface",
         "AttachClusterNodeVolume",
         "DetachClusterNodeVolume",
@@ -229,6 +227,9 @@ def drive(cp: ControlPlane, sm: Any) -> None:
     other = next(n for n in nodes if n["InstanceId"] != worker["InstanceId"])
     sm.batch_delete_cluster_nodes(ClusterName="eks", NodeIds=[other["InstanceId"], "i-0123456789abcdef0"])
     sm.batch_delete_cluster_nodes(ClusterName="eks", NodeLogicalIds=[worker["NodeLogicalId"], "no-such-node"])
+    sm.list_cluster_operations(ClusterName="eks", MaxResults=1)
+    for operation in sm.list_cluster_operations(ClusterName="eks")["ClusterOperationSummaries"]:
+        sm.describe_cluster_operation(ClusterName="eks", OperationId=operation["OperationId"])
     sm.delete_cluster(ClusterName="slurm")
 
 

@@ -49,6 +49,8 @@ OPERATIONS = (
     "DeleteTags",
     "ListClusterEvents",
     "DescribeClusterEvent",
+    "DescribeClusterOperation",
+    "ListClusterOperations",
 )
 
 ROLE = "arn:aws:iam::123456789012:role/hp"

@@ -49,9 +49,10 @@ NOT_RETURNED: dict[str, str] = {
     "InstanceMetadata.LcsExecutionState": "lifecycle scripts are not run",
     "EventMetadata.DatabaseConfiguration": "no Slurm accounting database is configured",
     "EventMetadata.SlurmHealth": "no Slurm daemons are run",
+    "DescribeClusterOperationResponse.DeepHealthCheckDetails": (
+        "only deep health check operations have them (StartClusterHealthCheck, not served yet)"
+    ),
     "ClusterAutoScalingConfigOutput.FailureMessage": "no autoscaler is run, so none fails",
-    "ClusterEventSummary.OperationId": "operation records are not kept yet (ListClusterOperations)",
-    "ClusterEventDetail.OperationId": "operation records are not kept yet (ListClusterOperations)",
     "EnvironmentConfigDetails.S3OutputPath": (
         "the S3 location HyperPod chooses for a restricted group's output; none is made here"
     ),

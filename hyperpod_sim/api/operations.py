@@ -12,7 +12,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from hyperpod_sim.api import members, shapes
+from hyperpod_sim.api import members, operation_records, shapes
 from hyperpod_sim.domain import cluster_reads
 from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from hyperpod_sim.domain.errors import UnknownOperationException
@@ -317,6 +317,7 @@ def _event(cluster: Cluster, event: ClusterEvent) -> dict[str, Any]:
         "EventTime": event.event_time,
         "Description": event.description,
         "EventLevel": event.level,
+        "OperationId": event.operation_id,
     }
 
 
@@ -328,6 +329,8 @@ def list_cluster_events(svc: ClusterService, p: Params) -> dict[str, Any]:
         event_time_after=p.get("EventTimeAfter"),
         event_time_before=p.get("EventTimeBefore"),
         resource_type=p.get("ResourceType"),
+        operation_id=p.get("OperationId"),
+        # SortBy: EventTime is the model's only sort key, and the one events are sorted by.
         sort_order=p.get("SortOrder"),
         max_results=p.get("MaxResults"),
         next_token=p.get("NextToken"),
@@ -373,6 +376,9 @@ OPERATIONS: dict[str, Handler] = {
     "AddTags": add_tags,
     "ListTags": list_tags,
     "DeleteTags": delete_tags,
+    # Cluster operation records (apiops, issue 15).
+    "DescribeClusterOperation": operation_records.describe_cluster_operation,
+    "ListClusterOperations": operation_records.list_cluster_operations,
 }
 
 

@@ -159,6 +159,22 @@ ROUTES = [
         "Describe one event",
         {"name": "ClusterName", "event_id": "EventId"},
     ),
+    # Cluster operation records (apiops, issue 15).
+    Route(
+        "GET",
+        "/clusters/{name}/operations",
+        "ListClusterOperations",
+        "List a cluster's operations (scaling, node operations), newest first",
+        {"name": "ClusterName"},
+        query=True,
+    ),
+    Route(
+        "GET",
+        "/clusters/{name}/operations/{operation_id}",
+        "DescribeClusterOperation",
+        "Describe one cluster operation",
+        {"name": "ClusterName", "operation_id": "OperationId"},
+    ),
     Route(
         "GET",
         "/tags",

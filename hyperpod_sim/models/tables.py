@@ -66,6 +66,8 @@ class Cluster(Base):
     # What trainers send to the agents' checkpoint routes when AgentAccess is Token (agents get
     # only its SHA-256, in the node policy).
     checkpoint_token: Mapped[str] = mapped_column(String(64))
+    # The cluster's operation in progress (domain/operations.py): its events carry its id.
+    operation_id: Mapped[str | None] = mapped_column(String(36))
 
     instance_groups: Mapped[list[InstanceGroup]] = relationship(
         back_populates="cluster",
@@ -149,6 +151,29 @@ class ClusterEvent(Base):
     event_time: Mapped[datetime] = mapped_column(index=True)
     level: Mapped[str] = mapped_column(String(8))
     description: Mapped[str] = mapped_column(Text)
+    # The cluster operation in progress when it was recorded (ListClusterEvents' OperationId).
+    operation_id: Mapped[str | None] = mapped_column(String(36), index=True)
+
+
+class ClusterOperation(Base):
+    """A cluster operation record (DescribeClusterOperation, ListClusterOperations): what a
+    request started, on which nodes, and whether it is still in progress."""
+
+    __tablename__ = "cluster_operations"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    # ClusterOperationType of the model (Scaling, DeepHealthCheck) or one of hyperpod-sim's own.
+    type: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))
+    # The API operation that started it (CreateCluster, BatchDeleteClusterNodes, ...).
+    requested_by: Mapped[str] = mapped_column(String(64))
+    creation_time: Mapped[datetime] = mapped_column(index=True)
+    end_time: Mapped[datetime | None]
+    # Node ids it acts on (empty: the cluster's groups as a whole).
+    node_ids: Mapped[list[Any]]
+    # Its ScalingDetails / DeepHealthCheckDetails, in their wire shape.
+    details: Mapped[dict[str, Any]]
 
 
 class Tag(Base):

@@ -1,0 +1,55 @@
+"""cluster operation records; the operation id of events and of the cluster's operation in progress
+
+Revision ID: 0010_apiops
+Revises: 0009
+Create Date: 2026-12-01 12:30:00.000000
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+from hyperpod_sim.models.tables import UtcDateTime
+
+revision = '0010_apiops'
+down_revision = '0009'
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        'cluster_operations',
+        sa.Column('id', sa.String(length=36), nullable=False),
+        sa.Column('cluster_id', sa.String(length=12), nullable=False),
+        sa.Column('type', sa.String(length=32), nullable=False),
+        sa.Column('status', sa.String(length=16), nullable=False),
+        sa.Column('requested_by', sa.String(length=64), nullable=False),
+        sa.Column('creation_time', UtcDateTime(), nullable=False),
+        sa.Column('end_time', UtcDateTime(), nullable=True),
+        sa.Column('node_ids', sa.JSON(), nullable=False),
+        sa.Column('details', sa.JSON(), nullable=False),
+        sa.ForeignKeyConstraint(['cluster_id'], ['clusters.id'], ondelete='CASCADE'),
+        sa.PrimaryKeyConstraint('id'),
+    )
+    with op.batch_alter_table('cluster_operations', schema=None) as batch_op:
+        batch_op.create_index(batch_op.f('ix_cluster_operations_cluster_id'), ['cluster_id'], unique=False)
+        batch_op.create_index(batch_op.f('ix_cluster_operations_creation_time'), ['creation_time'], unique=False)
+    with op.batch_alter_table('cluster_events', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('operation_id', sa.String(length=36), nullable=True))
+        batch_op.create_index(batch_op.f('ix_cluster_events_operation_id'), ['operation_id'], unique=False)
+    with op.batch_alter_table('clusters', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('operation_id', sa.String(length=36), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table('clusters', schema=None) as batch_op:
+        batch_op.drop_column('operation_id')
+    with op.batch_alter_table('cluster_events', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_cluster_events_operation_id'))
+        batch_op.drop_column('operation_id')
+    with op.batch_alter_table('cluster_operations', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_cluster_operations_creation_time'))
+        batch_op.drop_index(batch_op.f('ix_cluster_operations_cluster_id'))
+    op.drop_table('cluster_operations')
