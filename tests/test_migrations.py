@@ -19,6 +19,7 @@ TABLES = {
     "checkpoint_namespaces",
     "cluster_events",
     "cluster_operations",
+    "cluster_scheduler_configs",
     "clusters",
     "instance_groups",
     "nodes",

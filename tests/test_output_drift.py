@@ -43,11 +43,6 @@ NOT_SERVED: dict[str, str] = {
         "UpdateClusterExtension",
         "DeleteClusterExtension",
         "ListClusterExtensionVersions",
-        "CreateClusterSchedulerConfig",
-        "DescribeClusterSchedulerConfig",
-        "ListClusterSchedulerConfigs",
-        "UpdateClusterSchedulerConfig",
-        "DeleteClusterSchedulerConfig",
     )
 }
 
@@ -189,6 +184,9 @@ def drive(cp: ControlPlane, sm: Any) -> None:
         AutoScaling={"Mode": "Enable", "AutoScalerType": "Karpenter"},
     )
     sm.describe_cluster(ClusterName="eks")  # while Creating: ActiveOperations
+    second_eks = sm.create_cluster(ClusterName="eks2", InstanceGroups=[group()], Orchestrator=EKS)[
+        "ClusterArn"
+    ]
     cp.settle(sm, "eks")
     sm.create_cluster(
         ClusterName="slurm",
@@ -211,6 +209,7 @@ def drive(cp: ControlPlane, sm: Any) -> None:
     )
     sm.describe_cluster(ClusterName="slurm")
     sm.list_clusters(MaxResults=1)
+    sm.list_clusters()
     sm.list_cluster_nodes(ClusterName="eks", MaxResults=1)
     sm.list_cluster_events(ClusterName="eks", MaxResults=1)
     nodes = sm.list_cluster_nodes(ClusterName="eks", IncludeNodeLogicalIds=True)["ClusterNodeSummaries"]
@@ -230,6 +229,25 @@ def drive(cp: ControlPlane, sm: Any) -> None:
     sm.list_cluster_operations(ClusterName="eks", MaxResults=1)
     for operation in sm.list_cluster_operations(ClusterName="eks")["ClusterOperationSummaries"]:
         sm.describe_cluster_operation(ClusterName="eks", OperationId=operation["OperationId"])
+    created = sm.create_cluster_scheduler_config(
+        Name="policy",
+        ClusterArn=arn,
+        SchedulerConfig={
+            "PriorityClasses": [{"Name": "training", "Weight": 50}],
+            "FairShare": "Enabled",
+            "IdleResourceSharing": "Enabled",
+        },
+        Description="first",
+    )
+    config_id = created["ClusterSchedulerConfigId"]
+    sm.update_cluster_scheduler_config(
+        ClusterSchedulerConfigId=config_id, TargetVersion=1, Description="second"
+    )
+    sm.describe_cluster_scheduler_config(ClusterSchedulerConfigId=config_id)
+    sm.list_cluster_scheduler_configs(MaxResults=1)
+    sm.create_cluster_scheduler_config(Name="other", ClusterArn=second_eks, SchedulerConfig={})
+    sm.list_cluster_scheduler_configs(MaxResults=1)
+    sm.delete_cluster_scheduler_config(ClusterSchedulerConfigId=config_id)
     sm.delete_cluster(ClusterName="slurm")
 
 

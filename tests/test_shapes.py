@@ -51,6 +51,11 @@ OPERATIONS = (
     "DescribeClusterEvent",
     "DescribeClusterOperation",
     "ListClusterOperations",
+    "CreateClusterSchedulerConfig",
+    "DescribeClusterSchedulerConfig",
+    "ListClusterSchedulerConfigs",
+    "UpdateClusterSchedulerConfig",
+    "DeleteClusterSchedulerConfig",
 )
 
 ROLE = "arn:aws:iam::123456789012:role/hp"
@@ -688,6 +693,7 @@ def test_self_contained_schemas_validate_requests() -> None:
 # Known-good values for every pattern-constrained string shape in the operations' inputs.
 SAMPLES: dict[str, str] = {
     "AlarmName": "gpu-utilization-alarm",
+    "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
     "ClusterAccountingDatabaseEndpoint": "slurm-db.cluster-abc.us-east-1.rds.amazonaws.com",
     "ClusterAccountingDatabaseName": "slurm_acct_db",
     "ClusterAccountingDatabaseSecretArn": (
@@ -706,9 +712,13 @@ SAMPLES: dict[str, str] = {
     "ClusterNameOrArn": "ml-cluster-1",
     "ClusterNodeId": "i-0123456789abcdef0",
     "ClusterNodeLogicalId": "node-logical-1",
+    "ClusterSchedulerConfigId": "abcdefghijkl",
+    "ClusterSchedulerPriorityClassName": "training",
     "ClusterOperationId": "0123abcd-4567-89ab-cdef-0123456789ab",
     "ClusterPartitionName": "dev",
     "EksClusterArn": EKS,
+    "EntityDescription": "the cluster policy",
+    "EntityName": "policy-1",
     "EventId": "0123abcd-4567-89ab-cdef-0123456789ab",
     "ImageId": "ami-0123456789abcdef0",
     "ImageReleaseVersion": "2025.1.0",

@@ -52,6 +52,13 @@ NOT_RETURNED: dict[str, str] = {
     "DescribeClusterOperationResponse.DeepHealthCheckDetails": (
         "only deep health check operations have them (StartClusterHealthCheck, not served yet)"
     ),
+    "DescribeClusterSchedulerConfigResponse.FailureReason": "no scheduler is configured, so none fails",
+    "DescribeClusterSchedulerConfigResponse.CreatedBy": (
+        "a Studio user profile or IAM identity: requests here carry neither (access keys only)"
+    ),
+    "DescribeClusterSchedulerConfigResponse.LastModifiedBy": (
+        "a Studio user profile or IAM identity: requests here carry neither (access keys only)"
+    ),
     "ClusterAutoScalingConfigOutput.FailureMessage": "no autoscaler is run, so none fails",
     "EnvironmentConfigDetails.S3OutputPath": (
         "the S3 location HyperPod chooses for a restricted group's output; none is made here"

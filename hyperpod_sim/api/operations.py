@@ -12,7 +12,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from hyperpod_sim.api import members, operation_records, shapes
+from hyperpod_sim.api import members, operation_records, scheduler_configs, shapes
 from hyperpod_sim.domain import cluster_reads
 from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from hyperpod_sim.domain.errors import UnknownOperationException
@@ -379,6 +379,12 @@ OPERATIONS: dict[str, Handler] = {
     # Cluster operation records (apiops, issue 15).
     "DescribeClusterOperation": operation_records.describe_cluster_operation,
     "ListClusterOperations": operation_records.list_cluster_operations,
+    # Cluster scheduler configs, task governance's cluster policy (apiops, issue 15).
+    "CreateClusterSchedulerConfig": scheduler_configs.create_cluster_scheduler_config,
+    "DescribeClusterSchedulerConfig": scheduler_configs.describe_cluster_scheduler_config,
+    "ListClusterSchedulerConfigs": scheduler_configs.list_cluster_scheduler_configs,
+    "UpdateClusterSchedulerConfig": scheduler_configs.update_cluster_scheduler_config,
+    "DeleteClusterSchedulerConfig": scheduler_configs.delete_cluster_scheduler_config,
 }
 
 

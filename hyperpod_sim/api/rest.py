@@ -175,6 +175,52 @@ ROUTES = [
         "Describe one cluster operation",
         {"name": "ClusterName", "operation_id": "OperationId"},
     ),
+    # Cluster scheduler configs (apiops, issue 15).
+    Route(
+        "POST",
+        "/cluster-scheduler-configs",
+        "CreateClusterSchedulerConfig",
+        "Create a cluster's scheduler config (task governance policy)",
+        body=True,
+        example={
+            "Name": "policy",
+            "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+            "SchedulerConfig": {
+                "PriorityClasses": [{"Name": "training", "Weight": 80}],
+                "FairShare": "Enabled",
+            },
+        },
+    ),
+    Route(
+        "GET",
+        "/cluster-scheduler-configs",
+        "ListClusterSchedulerConfigs",
+        "List scheduler configs",
+        query=True,
+    ),
+    Route(
+        "GET",
+        "/cluster-scheduler-configs/{config_id}",
+        "DescribeClusterSchedulerConfig",
+        "Describe a scheduler config (its latest version, or ClusterSchedulerConfigVersion)",
+        {"config_id": "ClusterSchedulerConfigId"},
+        query=True,
+    ),
+    Route(
+        "PATCH",
+        "/cluster-scheduler-configs/{config_id}",
+        "UpdateClusterSchedulerConfig",
+        "Update a scheduler config (TargetVersion: its current version)",
+        {"config_id": "ClusterSchedulerConfigId"},
+        body=True,
+    ),
+    Route(
+        "DELETE",
+        "/cluster-scheduler-configs/{config_id}",
+        "DeleteClusterSchedulerConfig",
+        "Delete a scheduler config",
+        {"config_id": "ClusterSchedulerConfigId"},
+    ),
     Route(
         "GET",
         "/tags",

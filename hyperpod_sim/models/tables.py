@@ -198,3 +198,22 @@ class CheckpointNamespace(Base):
     num_ranks: Mapped[int]
     steps_retained: Mapped[int]
     created_at: Mapped[datetime]
+
+
+class ClusterSchedulerConfig(Base):
+    """A cluster policy of task governance (CreateClusterSchedulerConfig), with every version."""
+
+    __tablename__ = "cluster_scheduler_configs"
+
+    id: Mapped[str] = mapped_column(String(12), primary_key=True)
+    arn: Mapped[str] = mapped_column(String(256), unique=True)
+    name: Mapped[str] = mapped_column(String(63))
+    # One policy per cluster (ConflictException for a second).
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), unique=True)
+    status: Mapped[str] = mapped_column(String(32))
+    version: Mapped[int]
+    creation_time: Mapped[datetime]
+    last_modified_time: Mapped[datetime]
+    tags: Mapped[list[Any]]
+    # Every version, oldest first: {"Version", "SchedulerConfig", "Description", "Time"}.
+    versions: Mapped[list[Any]]

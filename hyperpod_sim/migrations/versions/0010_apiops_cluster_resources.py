@@ -1,4 +1,5 @@
-"""cluster operation records; the operation id of events and of the cluster's operation in progress
+"""cluster operation records; the operation id of events and of the cluster's operation in progress;
+cluster scheduler configs
 
 Revision ID: 0010_apiops
 Revises: 0009
@@ -41,9 +42,27 @@ def upgrade() -> None:
         batch_op.create_index(batch_op.f('ix_cluster_events_operation_id'), ['operation_id'], unique=False)
     with op.batch_alter_table('clusters', schema=None) as batch_op:
         batch_op.add_column(sa.Column('operation_id', sa.String(length=36), nullable=True))
+    op.create_table(
+        'cluster_scheduler_configs',
+        sa.Column('id', sa.String(length=12), nullable=False),
+        sa.Column('arn', sa.String(length=256), nullable=False),
+        sa.Column('name', sa.String(length=63), nullable=False),
+        sa.Column('cluster_id', sa.String(length=12), nullable=False),
+        sa.Column('status', sa.String(length=32), nullable=False),
+        sa.Column('version', sa.Integer(), nullable=False),
+        sa.Column('creation_time', UtcDateTime(), nullable=False),
+        sa.Column('last_modified_time', UtcDateTime(), nullable=False),
+        sa.Column('tags', sa.JSON(), nullable=False),
+        sa.Column('versions', sa.JSON(), nullable=False),
+        sa.ForeignKeyConstraint(['cluster_id'], ['clusters.id'], ondelete='CASCADE'),
+        sa.PrimaryKeyConstraint('id'),
+        sa.UniqueConstraint('arn'),
+        sa.UniqueConstraint('cluster_id'),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table('cluster_scheduler_configs')
     with op.batch_alter_table('clusters', schema=None) as batch_op:
         batch_op.drop_column('operation_id')
     with op.batch_alter_table('cluster_events', schema=None) as batch_op:
