@@ -18,6 +18,7 @@ from hyperpod_sim.models.db import alembic_config
 TABLES = {
     "checkpoint_namespaces",
     "cluster_events",
+    "cluster_extensions",
     "cluster_operations",
     "cluster_scheduler_configs",
     "clusters",

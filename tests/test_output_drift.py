@@ -37,12 +37,6 @@ NOT_SERVED: dict[str, str] = {
         "AttachClusterNodeNetworkInterface",
         "AttachClusterNodeVolume",
         "DetachClusterNodeVolume",
-        "CreateClusterExtension",
-        "DescribeClusterExtension",
-        "ListClusterExtensions",
-        "UpdateClusterExtension",
-        "DeleteClusterExtension",
-        "ListClusterExtensionVersions",
     )
 }
 
@@ -190,6 +184,7 @@ def drive(cp: ControlPlane, sm: Any) -> None:
     cp.settle(sm, "eks")
     sm.create_cluster(
         ClusterName="slurm",
+        NodeProvisioningMode="Continuous",
         InstanceGroups=[group("ctl", 1, SlurmConfig={"NodeType": "Controller", "PartitionNames": ["dev"]})],
         Orchestrator={
             "Slurm": {
@@ -248,6 +243,15 @@ def drive(cp: ControlPlane, sm: Any) -> None:
     sm.create_cluster_scheduler_config(Name="other", ClusterArn=second_eks, SchedulerConfig={})
     sm.list_cluster_scheduler_configs(MaxResults=1)
     sm.delete_cluster_scheduler_config(ClusterSchedulerConfigId=config_id)
+    slurm = sm.describe_cluster(ClusterName="slurm")["ClusterArn"]
+    extension = sm.create_cluster_extension(
+        ClusterArn=slurm, ExtensionName="sagemaker-observability", ConfigurationValues='{"a": 1}'
+    )["ExtensionArn"]
+    sm.update_cluster_extension(ClusterArn=slurm, ExtensionArn=extension, ExtensionVersion="1.1.0")
+    sm.describe_cluster_extension(ClusterArn=slurm, ExtensionArn=extension)
+    sm.list_cluster_extensions(ClusterArn=slurm, MaxResults=1)
+    sm.list_cluster_extension_versions(ExtensionName="sagemaker-observability", MaxResults=1)
+    sm.delete_cluster_extension(ClusterArn=slurm, ExtensionArn=extension)
     sm.delete_cluster(ClusterName="slurm")
 
 

@@ -56,6 +56,12 @@ OPERATIONS = (
     "ListClusterSchedulerConfigs",
     "UpdateClusterSchedulerConfig",
     "DeleteClusterSchedulerConfig",
+    "CreateClusterExtension",
+    "DescribeClusterExtension",
+    "ListClusterExtensions",
+    "UpdateClusterExtension",
+    "DeleteClusterExtension",
+    "ListClusterExtensionVersions",
 )
 
 ROLE = "arn:aws:iam::123456789012:role/hp"
@@ -719,6 +725,13 @@ SAMPLES: dict[str, str] = {
     "EksClusterArn": EKS,
     "EntityDescription": "the cluster policy",
     "EntityName": "policy-1",
+    "CreateClusterExtensionRequestClientTokenString": "token-1",
+    "ExtensionArn": (
+        "arn:aws:sagemaker:us-east-1:123456789012:extension/sagemaker-observability/abcdefghijkl/abc123"
+    ),
+    "ExtensionName": "sagemaker-observability",
+    "ExtensionVersion": "1.0.0",
+    "UpdateClusterExtensionRequestClientTokenString": "token-2",
     "EventId": "0123abcd-4567-89ab-cdef-0123456789ab",
     "ImageId": "ami-0123456789abcdef0",
     "ImageReleaseVersion": "2025.1.0",

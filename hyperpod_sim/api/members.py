@@ -59,6 +59,12 @@ NOT_RETURNED: dict[str, str] = {
     "DescribeClusterSchedulerConfigResponse.LastModifiedBy": (
         "a Studio user profile or IAM identity: requests here carry neither (access keys only)"
     ),
+    "ListClusterExtensionsResponse.NextToken": (
+        "the catalog offers one extension and a cluster has at most one of a name: never a second page"
+    ),
+    "ExtensionHealthIssue.Code": "nothing is installed on the nodes, so no extension has a health issue",
+    "ExtensionHealthIssue.Message": "nothing is installed on the nodes, so no extension has a health issue",
+    "ExtensionHealthIssue.NodeCount": "nothing is installed on the nodes, so no extension has a health issue",
     "ClusterAutoScalingConfigOutput.FailureMessage": "no autoscaler is run, so none fails",
     "EnvironmentConfigDetails.S3OutputPath": (
         "the S3 location HyperPod chooses for a restricted group's output; none is made here"

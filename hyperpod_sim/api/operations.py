@@ -12,7 +12,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from hyperpod_sim.api import members, operation_records, scheduler_configs, shapes
+from hyperpod_sim.api import cluster_extensions, members, operation_records, scheduler_configs, shapes
 from hyperpod_sim.domain import cluster_reads
 from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from hyperpod_sim.domain.errors import UnknownOperationException
@@ -385,6 +385,13 @@ OPERATIONS: dict[str, Handler] = {
     "ListClusterSchedulerConfigs": scheduler_configs.list_cluster_scheduler_configs,
     "UpdateClusterSchedulerConfig": scheduler_configs.update_cluster_scheduler_config,
     "DeleteClusterSchedulerConfig": scheduler_configs.delete_cluster_scheduler_config,
+    # Cluster extensions (apiops, issue 15).
+    "CreateClusterExtension": cluster_extensions.create_cluster_extension,
+    "DescribeClusterExtension": cluster_extensions.describe_cluster_extension,
+    "ListClusterExtensions": cluster_extensions.list_cluster_extensions,
+    "UpdateClusterExtension": cluster_extensions.update_cluster_extension,
+    "DeleteClusterExtension": cluster_extensions.delete_cluster_extension,
+    "ListClusterExtensionVersions": cluster_extensions.list_cluster_extension_versions,
 }
 
 

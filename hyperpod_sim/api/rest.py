@@ -221,6 +221,32 @@ ROUTES = [
         "Delete a scheduler config",
         {"config_id": "ClusterSchedulerConfigId"},
     ),
+    # Cluster extensions (apiops, issue 15): named by ARN, so in the query or body, as /tags does.
+    Route(
+        "POST",
+        "/cluster-extensions",
+        "CreateClusterExtension",
+        "Install an extension on a Slurm cluster (NodeProvisioningMode Continuous)",
+        body=True,
+        example={
+            "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+            "ExtensionName": "sagemaker-observability",
+        },
+    ),
+    Route("GET", "/cluster-extensions", "ListClusterExtensions", "List a cluster's extensions", query=True),
+    Route(
+        "GET", "/cluster-extensions/describe", "DescribeClusterExtension", "Describe an extension", query=True
+    ),
+    Route("PATCH", "/cluster-extensions", "UpdateClusterExtension", "Update an extension", body=True),
+    Route("POST", "/cluster-extensions/delete", "DeleteClusterExtension", "Delete an extension", body=True),
+    Route(
+        "GET",
+        "/cluster-extension-versions/{extension_name}",
+        "ListClusterExtensionVersions",
+        "List the versions of an extension on offer, highest first",
+        {"extension_name": "ExtensionName"},
+        query=True,
+    ),
     Route(
         "GET",
         "/tags",

@@ -217,3 +217,24 @@ class ClusterSchedulerConfig(Base):
     tags: Mapped[list[Any]]
     # Every version, oldest first: {"Version", "SchedulerConfig", "Description", "Time"}.
     versions: Mapped[list[Any]]
+
+
+class ClusterExtension(Base):
+    """An extension installed on a cluster (CreateClusterExtension), at one version and configuration."""
+
+    __tablename__ = "cluster_extensions"
+    __table_args__ = (UniqueConstraint("cluster_id", "name"),)
+
+    id: Mapped[str] = mapped_column(String(12), primary_key=True)
+    arn: Mapped[str] = mapped_column(String(256), unique=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    version: Mapped[str] = mapped_column(String(64))
+    # ConfigurationValues as a JSON object (the wire carries it serialized as a string).
+    configuration: Mapped[dict[str, Any] | None]
+    # Creating or Updating until every live node runs it; then it reads Active.
+    phase: Mapped[str] = mapped_column(String(16))
+    client_token: Mapped[str | None] = mapped_column(String(64))
+    creation_time: Mapped[datetime]
+    last_modified_time: Mapped[datetime]
+    tags: Mapped[list[Any]]

@@ -1,5 +1,5 @@
 """cluster operation records; the operation id of events and of the cluster's operation in progress;
-cluster scheduler configs
+cluster scheduler configs; cluster extensions
 
 Revision ID: 0010_apiops
 Revises: 0009
@@ -59,9 +59,32 @@ def upgrade() -> None:
         sa.UniqueConstraint('arn'),
         sa.UniqueConstraint('cluster_id'),
     )
+    op.create_table(
+        'cluster_extensions',
+        sa.Column('id', sa.String(length=12), nullable=False),
+        sa.Column('arn', sa.String(length=256), nullable=False),
+        sa.Column('cluster_id', sa.String(length=12), nullable=False),
+        sa.Column('name', sa.String(length=128), nullable=False),
+        sa.Column('version', sa.String(length=64), nullable=False),
+        sa.Column('configuration', sa.JSON(), nullable=True),
+        sa.Column('phase', sa.String(length=16), nullable=False),
+        sa.Column('client_token', sa.String(length=64), nullable=True),
+        sa.Column('creation_time', UtcDateTime(), nullable=False),
+        sa.Column('last_modified_time', UtcDateTime(), nullable=False),
+        sa.Column('tags', sa.JSON(), nullable=False),
+        sa.ForeignKeyConstraint(['cluster_id'], ['clusters.id'], ondelete='CASCADE'),
+        sa.PrimaryKeyConstraint('id'),
+        sa.UniqueConstraint('arn'),
+        sa.UniqueConstraint('cluster_id', 'name'),
+    )
+    with op.batch_alter_table('cluster_extensions', schema=None) as batch_op:
+        batch_op.create_index(batch_op.f('ix_cluster_extensions_cluster_id'), ['cluster_id'], unique=False)
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('cluster_extensions', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_cluster_extensions_cluster_id'))
+    op.drop_table('cluster_extensions')
     op.drop_table('cluster_scheduler_configs')
     with op.batch_alter_table('clusters', schema=None) as batch_op:
         batch_op.drop_column('operation_id')
