@@ -23,6 +23,7 @@ TABLES = {
     "cluster_scheduler_configs",
     "clusters",
     "instance_groups",
+    "node_attachments",
     "nodes",
     "tags",
 }

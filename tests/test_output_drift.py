@@ -31,13 +31,6 @@ NOT_SERVED: dict[str, str] = {
         "StartClusterHealthCheck",
         "UpdateClusterSoftware",
     )
-} | {
-    name: "not built yet (issue 15, apiops part 3)"
-    for name in (
-        "AttachClusterNodeNetworkInterface",
-        "AttachClusterNodeVolume",
-        "DetachClusterNodeVolume",
-    )
 }
 
 # Members returned only in a state this scenario does not reach, and where that is covered.
@@ -215,6 +208,12 @@ def drive(cp: ControlPlane, sm: Any) -> None:
         event = next(e for e in events if e["ResourceType"] == kind)
         sm.describe_cluster_event(ClusterName="eks", EventId=event["EventId"])
     arn = sm.describe_cluster(ClusterName="eks")["ClusterArn"]
+    volume = {"ClusterArn": arn, "NodeId": worker["InstanceId"], "VolumeId": "vol-0123456789abcdef0"}
+    sm.attach_cluster_node_volume(**volume)
+    sm.detach_cluster_node_volume(**volume)
+    sm.attach_cluster_node_network_interface(
+        ClusterName="eks", NodeId=worker["InstanceId"], NetworkInterfaceId="eni-0123456789abcdef0"
+    )
     sm.add_tags(ResourceArn=arn, Tags=[{"Key": "team", "Value": "ml"}])
     sm.list_tags(ResourceArn=arn)
     sm.delete_tags(ResourceArn=arn, TagKeys=["team"])

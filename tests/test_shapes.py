@@ -62,6 +62,9 @@ OPERATIONS = (
     "UpdateClusterExtension",
     "DeleteClusterExtension",
     "ListClusterExtensionVersions",
+    "AttachClusterNodeVolume",
+    "DetachClusterNodeVolume",
+    "AttachClusterNodeNetworkInterface",
 )
 
 ROLE = "arn:aws:iam::123456789012:role/hp"
@@ -720,6 +723,7 @@ SAMPLES: dict[str, str] = {
     "ClusterNodeLogicalId": "node-logical-1",
     "ClusterSchedulerConfigId": "abcdefghijkl",
     "ClusterSchedulerPriorityClassName": "training",
+    "ClusterNetworkInterfaceId": "eni-0123456789abcdef0",
     "ClusterOperationId": "0123abcd-4567-89ab-cdef-0123456789ab",
     "ClusterPartitionName": "dev",
     "EksClusterArn": EKS,
@@ -745,6 +749,7 @@ SAMPLES: dict[str, str] = {
     "SubnetId": "subnet-0123456789abcdef0",
     "TagKey": "team",
     "TagValue": "ml",
+    "VolumeId": "vol-0123456789abcdef0",
     "TrainingPlanArn": "arn:aws:sagemaker:us-east-1:123456789012:training-plan/my-plan",
 }
 

@@ -12,7 +12,14 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from hyperpod_sim.api import cluster_extensions, members, operation_records, scheduler_configs, shapes
+from hyperpod_sim.api import (
+    cluster_extensions,
+    members,
+    node_attachments,
+    operation_records,
+    scheduler_configs,
+    shapes,
+)
 from hyperpod_sim.domain import cluster_reads
 from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from hyperpod_sim.domain.errors import UnknownOperationException
@@ -392,6 +399,10 @@ OPERATIONS: dict[str, Handler] = {
     "UpdateClusterExtension": cluster_extensions.update_cluster_extension,
     "DeleteClusterExtension": cluster_extensions.delete_cluster_extension,
     "ListClusterExtensionVersions": cluster_extensions.list_cluster_extension_versions,
+    # Volumes and network interfaces attached to nodes (apiops, issue 15).
+    "AttachClusterNodeVolume": node_attachments.attach_cluster_node_volume,
+    "DetachClusterNodeVolume": node_attachments.detach_cluster_node_volume,
+    "AttachClusterNodeNetworkInterface": node_attachments.attach_cluster_node_network_interface,
 }
 
 

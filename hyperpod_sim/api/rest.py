@@ -247,6 +247,30 @@ ROUTES = [
         {"extension_name": "ExtensionName"},
         query=True,
     ),
+    # Volumes and network interfaces attached to nodes (apiops, issue 15).
+    Route(
+        "POST",
+        "/clusters/{name}/nodes/{node_id}/network-interfaces",
+        "AttachClusterNodeNetworkInterface",
+        "Attach a network interface to a node",
+        {"name": "ClusterName", "node_id": "NodeId"},
+        body=True,
+        example={"NetworkInterfaceId": "eni-0123456789abcdef0"},
+    ),
+    Route(
+        "POST",
+        "/cluster-node-volumes/attach",
+        "AttachClusterNodeVolume",
+        "Attach an EBS volume to a node of an EKS cluster",
+        body=True,
+    ),
+    Route(
+        "POST",
+        "/cluster-node-volumes/detach",
+        "DetachClusterNodeVolume",
+        "Detach an EBS volume from a node",
+        body=True,
+    ),
     Route(
         "GET",
         "/tags",

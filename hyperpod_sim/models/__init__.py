@@ -11,6 +11,7 @@ from hyperpod_sim.models.tables import (
     ClusterSchedulerConfig,
     InstanceGroup,
     Node,
+    NodeAttachment,
     Tag,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "Database",
     "InstanceGroup",
     "Node",
+    "NodeAttachment",
     "Tag",
 ]

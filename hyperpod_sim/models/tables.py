@@ -238,3 +238,21 @@ class ClusterExtension(Base):
     creation_time: Mapped[datetime]
     last_modified_time: Mapped[datetime]
     tags: Mapped[list[Any]]
+
+
+class NodeAttachment(Base):
+    """An EBS volume or a network interface attached to a node (AttachClusterNodeVolume,
+    AttachClusterNodeNetworkInterface); gone with the node (a replacement is fresh hardware)."""
+
+    __tablename__ = "node_attachments"
+    __table_args__ = (UniqueConstraint("kind", "resource_id"),)
+
+    id: Mapped[str] = mapped_column(String(28), primary_key=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"), index=True)
+    # "volume" or "network-interface".
+    kind: Mapped[str] = mapped_column(String(20))
+    # vol-... or eni-...
+    resource_id: Mapped[str] = mapped_column(String(256))
+    device_name: Mapped[str | None] = mapped_column(String(32))
+    attach_time: Mapped[datetime]

@@ -1,5 +1,5 @@
 """cluster operation records; the operation id of events and of the cluster's operation in progress;
-cluster scheduler configs; cluster extensions
+cluster scheduler configs; cluster extensions; node attachments
 
 Revision ID: 0010_apiops
 Revises: 0009
@@ -79,9 +79,30 @@ def upgrade() -> None:
     )
     with op.batch_alter_table('cluster_extensions', schema=None) as batch_op:
         batch_op.create_index(batch_op.f('ix_cluster_extensions_cluster_id'), ['cluster_id'], unique=False)
+    op.create_table(
+        'node_attachments',
+        sa.Column('id', sa.String(length=28), nullable=False),
+        sa.Column('cluster_id', sa.String(length=12), nullable=False),
+        sa.Column('node_id', sa.String(length=19), nullable=False),
+        sa.Column('kind', sa.String(length=20), nullable=False),
+        sa.Column('resource_id', sa.String(length=256), nullable=False),
+        sa.Column('device_name', sa.String(length=32), nullable=True),
+        sa.Column('attach_time', UtcDateTime(), nullable=False),
+        sa.ForeignKeyConstraint(['cluster_id'], ['clusters.id'], ondelete='CASCADE'),
+        sa.ForeignKeyConstraint(['node_id'], ['nodes.id'], ondelete='CASCADE'),
+        sa.PrimaryKeyConstraint('id'),
+        sa.UniqueConstraint('kind', 'resource_id'),
+    )
+    with op.batch_alter_table('node_attachments', schema=None) as batch_op:
+        batch_op.create_index(batch_op.f('ix_node_attachments_cluster_id'), ['cluster_id'], unique=False)
+        batch_op.create_index(batch_op.f('ix_node_attachments_node_id'), ['node_id'], unique=False)
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('node_attachments', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_node_attachments_node_id'))
+        batch_op.drop_index(batch_op.f('ix_node_attachments_cluster_id'))
+    op.drop_table('node_attachments')
     with op.batch_alter_table('cluster_extensions', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_cluster_extensions_cluster_id'))
     op.drop_table('cluster_extensions')
