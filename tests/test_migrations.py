@@ -15,7 +15,18 @@ from sqlalchemy import inspect, select, text
 from hyperpod_sim.models import Base, Cluster, Database, Node
 from hyperpod_sim.models.db import alembic_config
 
-TABLES = {"checkpoint_namespaces", "cluster_events", "clusters", "instance_groups", "nodes", "tags"}
+TABLES = {
+    "checkpoint_namespaces",
+    "cluster_events",
+    "cluster_extensions",
+    "cluster_operations",
+    "cluster_scheduler_configs",
+    "clusters",
+    "instance_groups",
+    "node_attachments",
+    "nodes",
+    "tags",
+}
 
 
 @pytest.fixture

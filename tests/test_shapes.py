@@ -49,6 +49,22 @@ OPERATIONS = (
     "DeleteTags",
     "ListClusterEvents",
     "DescribeClusterEvent",
+    "DescribeClusterOperation",
+    "ListClusterOperations",
+    "CreateClusterSchedulerConfig",
+    "DescribeClusterSchedulerConfig",
+    "ListClusterSchedulerConfigs",
+    "UpdateClusterSchedulerConfig",
+    "DeleteClusterSchedulerConfig",
+    "CreateClusterExtension",
+    "DescribeClusterExtension",
+    "ListClusterExtensions",
+    "UpdateClusterExtension",
+    "DeleteClusterExtension",
+    "ListClusterExtensionVersions",
+    "AttachClusterNodeVolume",
+    "DetachClusterNodeVolume",
+    "AttachClusterNodeNetworkInterface",
 )
 
 ROLE = "arn:aws:iam::123456789012:role/hp"
@@ -686,6 +702,7 @@ def test_self_contained_schemas_validate_requests() -> None:
 # Known-good values for every pattern-constrained string shape in the operations' inputs.
 SAMPLES: dict[str, str] = {
     "AlarmName": "gpu-utilization-alarm",
+    "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
     "ClusterAccountingDatabaseEndpoint": "slurm-db.cluster-abc.us-east-1.rds.amazonaws.com",
     "ClusterAccountingDatabaseName": "slurm_acct_db",
     "ClusterAccountingDatabaseSecretArn": (
@@ -704,9 +721,21 @@ SAMPLES: dict[str, str] = {
     "ClusterNameOrArn": "ml-cluster-1",
     "ClusterNodeId": "i-0123456789abcdef0",
     "ClusterNodeLogicalId": "node-logical-1",
+    "ClusterSchedulerConfigId": "abcdefghijkl",
+    "ClusterSchedulerPriorityClassName": "training",
+    "ClusterNetworkInterfaceId": "eni-0123456789abcdef0",
     "ClusterOperationId": "0123abcd-4567-89ab-cdef-0123456789ab",
     "ClusterPartitionName": "dev",
     "EksClusterArn": EKS,
+    "EntityDescription": "the cluster policy",
+    "EntityName": "policy-1",
+    "CreateClusterExtensionRequestClientTokenString": "token-1",
+    "ExtensionArn": (
+        "arn:aws:sagemaker:us-east-1:123456789012:extension/sagemaker-observability/abcdefghijkl/abc123"
+    ),
+    "ExtensionName": "sagemaker-observability",
+    "ExtensionVersion": "1.0.0",
+    "UpdateClusterExtensionRequestClientTokenString": "token-2",
     "EventId": "0123abcd-4567-89ab-cdef-0123456789ab",
     "ImageId": "ami-0123456789abcdef0",
     "ImageReleaseVersion": "2025.1.0",
@@ -720,6 +749,7 @@ SAMPLES: dict[str, str] = {
     "SubnetId": "subnet-0123456789abcdef0",
     "TagKey": "team",
     "TagValue": "ml",
+    "VolumeId": "vol-0123456789abcdef0",
     "TrainingPlanArn": "arn:aws:sagemaker:us-east-1:123456789012:training-plan/my-plan",
 }
 

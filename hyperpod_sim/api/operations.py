@@ -12,7 +12,15 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from hyperpod_sim.api import shapes
+from hyperpod_sim.api import (
+    cluster_extensions,
+    members,
+    node_attachments,
+    operation_records,
+    scheduler_configs,
+    shapes,
+)
+from hyperpod_sim.domain import cluster_reads
 from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from hyperpod_sim.domain.errors import UnknownOperationException
 from hyperpod_sim.models import Cluster, ClusterEvent, InstanceGroup, Node
@@ -29,7 +37,7 @@ def _members(shape_name: str) -> frozenset[str]:
     return frozenset(shapes.service_model().shape_for(shape_name).members)
 
 
-def _group_details(group: InstanceGroup, running: int) -> dict[str, Any]:
+def _group_details(group: InstanceGroup, running: int, by_type: dict[str, int]) -> dict[str, Any]:
     shape = "ClusterRestrictedInstanceGroupDetails" if group.restricted else "ClusterInstanceGroupDetails"
     spec = group.spec
     out: dict[str, Any] = {
@@ -47,43 +55,47 @@ def _group_details(group: InstanceGroup, running: int) -> dict[str, Any]:
         renamed["InstanceRequirements"] = {"CurrentInstanceTypes": types, "DesiredInstanceTypes": types}
     if "ImageId" in spec:
         renamed["CurrentImageId"] = renamed["DesiredImageId"] = spec["ImageId"]
-    if "KubernetesConfig" in spec:
-        k8s = spec["KubernetesConfig"]
-        renamed["KubernetesConfig"] = {
-            key: k8s[src]
-            for key, src in (
-                ("CurrentLabels", "Labels"),
-                ("DesiredLabels", "Labels"),
-                ("CurrentTaints", "Taints"),
-                ("DesiredTaints", "Taints"),
-            )
-            if src in k8s
-        }
+    renamed["KubernetesConfig"] = members.kubernetes_details(spec)
+    renamed["AutoPatchConfig"] = members.auto_patch_details(spec)
+    renamed.update(members.group_state(group, running, by_type))
     allowed = _members(shape)
     for key, value in spec.items():
-        if key in allowed and key not in out and key not in ("InstanceRequirements", "KubernetesConfig"):
+        if key in allowed and key not in out and key not in _RENAMED_GROUP_MEMBERS:
             out[key] = value
     out.update({k: v for k, v in renamed.items() if k in allowed})
     return out
 
 
-def _cluster_description(cluster: Cluster, running: dict[str, int]) -> dict[str, Any]:
+# Group members whose input shape differs from their output shape (mapped in _group_details).
+_RENAMED_GROUP_MEMBERS = ("InstanceRequirements", "KubernetesConfig", "AutoPatchConfig")
+
+
+def _cluster_description(
+    cluster: Cluster, running: dict[str, int], by_type: dict[str, dict[str, int]]
+) -> dict[str, Any]:
     groups = [g for g in cluster.instance_groups if not g.restricted]
     restricted = [g for g in cluster.instance_groups if g.restricted]
+
+    def details(g: InstanceGroup) -> dict[str, Any]:
+        return _group_details(g, running.get(g.name, 0), by_type.get(g.name, {}))
+
     out: dict[str, Any] = {
         "ClusterArn": cluster.arn,
         "ClusterName": cluster.name,
         "ClusterStatus": cluster.status,
         "CreationTime": cluster.creation_time,
         "FailureMessage": cluster.failure_message,
-        "InstanceGroups": [_group_details(g, running.get(g.name, 0)) for g in groups],
+        "InstanceGroups": [details(g) for g in groups],
         "VpcConfig": cluster.vpc_config,
         "Orchestrator": cluster.orchestrator,
         "TieredStorageConfig": cluster.tiered_storage,
         "NodeRecovery": cluster.node_recovery,
     }
     if restricted:
-        out["RestrictedInstanceGroups"] = [_group_details(g, running.get(g.name, 0)) for g in restricted]
+        out["RestrictedInstanceGroups"] = [details(g) for g in restricted]
+    out["RestrictedInstanceGroupsConfig"] = members.restricted_config(
+        cluster.extra.get("RestrictedInstanceGroupsConfig")
+    )
     for key in EXTRA_MEMBERS:
         if key in cluster.extra:
             out[key] = cluster.extra[key]
@@ -134,8 +146,9 @@ def _agent_status(node: Node) -> dict[str, Any] | None:
     }
 
 
-def _node_summary(node: Node, region: str, *, logical_ids: bool) -> dict[str, Any]:
+def _node_summary(node: Node, region: str, *, logical_ids: bool, spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
+        **members.node_state(spec, details=False),
         "AgentStatus": _agent_status(node),
         "InstanceGroupName": node.group_name,
         "InstanceId": node.id,
@@ -149,25 +162,23 @@ def _node_summary(node: Node, region: str, *, logical_ids: bool) -> dict[str, An
     return out
 
 
-def _availability_zone_id(region: str) -> str:
-    """us-east-1 -> use1-az1: the AZ id shape AWS uses."""
-    area, direction, number = region.split("-")
-    return f"{area}{direction[0]}{number}-az1"
-
-
 def _node_details(node: Node, cluster: Cluster, region: str) -> dict[str, Any]:
     group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
-    out = _node_summary(node, region, logical_ids=True)
+    spec = group.spec if group is not None else {}
+    out = _node_summary(node, region, logical_ids=True, spec=spec)
+    out.update(members.node_state(spec, details=True))
     if out["AgentStatus"] is not None:
         out["AgentStatus"]["DesiredPolicyGeneration"] = cluster.generation
-    spec = group.spec if group is not None else {}
     for key in ("LifeCycleConfig", "ThreadsPerCore", "InstanceStorageConfigs", "OverrideVpcConfig"):
         if key in spec:
             out[key] = spec[key]
     if "ImageId" in spec:
         out["CurrentImageId"] = out["DesiredImageId"] = spec["ImageId"]
     out["PrivatePrimaryIp"] = node.private_ip
-    out["Placement"] = {"AvailabilityZone": f"{region}a", "AvailabilityZoneId": _availability_zone_id(region)}
+    out["Placement"] = {
+        "AvailabilityZone": f"{region}a",
+        "AvailabilityZoneId": members.availability_zone_id(region),
+    }
     return out
 
 
@@ -188,35 +199,43 @@ def _deletion(result: NodeDeletion, ids_key: str, failed_key: str, id_member: st
 def create_cluster(svc: ClusterService, p: Params) -> dict[str, Any]:
     cluster = svc.create_cluster(
         name=p["ClusterName"],
-        instance_groups=p.get("InstanceGroups"),
-        restricted_instance_groups=p.get("RestrictedInstanceGroups"),
+        instance_groups=members.storable(p.get("InstanceGroups")),
+        restricted_instance_groups=members.storable(p.get("RestrictedInstanceGroups")),
         vpc_config=p.get("VpcConfig"),
         tags=p.get("Tags"),
         orchestrator=p.get("Orchestrator"),
         node_recovery=p.get("NodeRecovery"),
         tiered_storage=p.get("TieredStorageConfig"),
-        extra={k: p[k] for k in EXTRA_MEMBERS if k in p},
+        extra=_extra(p),
     )
     return {"ClusterArn": cluster.arn}
+
+
+def _extra(p: Params) -> dict[str, Any]:
+    """Cluster members stored as given: EXTRA_MEMBERS, and RestrictedInstanceGroupsConfig
+    (returned mapped, by members.restricted_config)."""
+    return {k: p[k] for k in (*EXTRA_MEMBERS, "RestrictedInstanceGroupsConfig") if k in p}
 
 
 def update_cluster(svc: ClusterService, p: Params) -> dict[str, Any]:
     cluster = svc.update_cluster(
         name=p["ClusterName"],
-        instance_groups=p.get("InstanceGroups"),
-        restricted_instance_groups=p.get("RestrictedInstanceGroups"),
+        instance_groups=members.storable(p.get("InstanceGroups")),
+        restricted_instance_groups=members.storable(p.get("RestrictedInstanceGroups")),
         instance_groups_to_delete=p.get("InstanceGroupsToDelete"),
         tiered_storage=p.get("TieredStorageConfig"),
         node_recovery=p.get("NodeRecovery"),
         orchestrator=p.get("Orchestrator"),
-        extra={k: p[k] for k in EXTRA_MEMBERS if k in p},
+        extra=_extra(p),
     )
     return {"ClusterArn": cluster.arn}
 
 
 def describe_cluster(svc: ClusterService, p: Params) -> dict[str, Any]:
     cluster, running = svc.describe_cluster(name=p["ClusterName"])
-    return _cluster_description(cluster, running)
+    flexible = any("InstanceRequirements" in g.spec for g in cluster.instance_groups)
+    by_type = cluster_reads.running_by_type(svc.db, cluster_id=cluster.id) if flexible else {}
+    return _cluster_description(cluster, running, by_type)
 
 
 def delete_cluster(svc: ClusterService, p: Params) -> dict[str, Any]:
@@ -241,6 +260,7 @@ def list_clusters(svc: ClusterService, p: Params) -> dict[str, Any]:
             "ClusterName": cluster.name,
             "CreationTime": cluster.creation_time,
             "ClusterStatus": cluster.status,
+            "ImageVersionStatus": members.IMAGE_UP_TO_DATE,
         }
         plans = sorted(
             {g.spec["TrainingPlanArn"] for g in cluster.instance_groups if "TrainingPlanArn" in g.spec}
@@ -264,8 +284,13 @@ def list_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
     )
     logical = bool(p.get("IncludeNodeLogicalIds"))
     region = svc.config.region
+    cluster, _ = svc.describe_cluster(name=p["ClusterName"])
+    specs = {g.name: g.spec for g in cluster.instance_groups}
     return {
-        "ClusterNodeSummaries": [_node_summary(n, region, logical_ids=logical) for n in page.items],
+        "ClusterNodeSummaries": [
+            _node_summary(n, region, logical_ids=logical, spec=specs.get(n.group_name, {}))
+            for n in page.items
+        ],
         "NextToken": page.next_token,
     }
 
@@ -299,6 +324,7 @@ def _event(cluster: Cluster, event: ClusterEvent) -> dict[str, Any]:
         "EventTime": event.event_time,
         "Description": event.description,
         "EventLevel": event.level,
+        "OperationId": event.operation_id,
     }
 
 
@@ -310,6 +336,8 @@ def list_cluster_events(svc: ClusterService, p: Params) -> dict[str, Any]:
         event_time_after=p.get("EventTimeAfter"),
         event_time_before=p.get("EventTimeBefore"),
         resource_type=p.get("ResourceType"),
+        operation_id=p.get("OperationId"),
+        # SortBy: EventTime is the model's only sort key, and the one events are sorted by.
         sort_order=p.get("SortOrder"),
         max_results=p.get("MaxResults"),
         next_token=p.get("NextToken"),
@@ -319,7 +347,12 @@ def list_cluster_events(svc: ClusterService, p: Params) -> dict[str, Any]:
 
 def describe_cluster_event(svc: ClusterService, p: Params) -> dict[str, Any]:
     cluster, event = svc.describe_cluster_event(name=p["ClusterName"], event_id=p["EventId"])
-    return {"EventDetails": _event(cluster, event)}
+    described, _ = svc.describe_cluster(name=cluster.arn)
+    node = None
+    if event.instance_id is not None:
+        node = cluster_reads.find_node(svc.db, cluster_id=cluster.id, node_id=event.instance_id)
+    details = members.event_details(described, event, node, svc.config.region)
+    return {"EventDetails": {**_event(cluster, event), "EventDetails": details}}
 
 
 def add_tags(svc: ClusterService, p: Params) -> dict[str, Any]:
@@ -350,6 +383,26 @@ OPERATIONS: dict[str, Handler] = {
     "AddTags": add_tags,
     "ListTags": list_tags,
     "DeleteTags": delete_tags,
+    # Cluster operation records (apiops, issue 15).
+    "DescribeClusterOperation": operation_records.describe_cluster_operation,
+    "ListClusterOperations": operation_records.list_cluster_operations,
+    # Cluster scheduler configs, task governance's cluster policy (apiops, issue 15).
+    "CreateClusterSchedulerConfig": scheduler_configs.create_cluster_scheduler_config,
+    "DescribeClusterSchedulerConfig": scheduler_configs.describe_cluster_scheduler_config,
+    "ListClusterSchedulerConfigs": scheduler_configs.list_cluster_scheduler_configs,
+    "UpdateClusterSchedulerConfig": scheduler_configs.update_cluster_scheduler_config,
+    "DeleteClusterSchedulerConfig": scheduler_configs.delete_cluster_scheduler_config,
+    # Cluster extensions (apiops, issue 15).
+    "CreateClusterExtension": cluster_extensions.create_cluster_extension,
+    "DescribeClusterExtension": cluster_extensions.describe_cluster_extension,
+    "ListClusterExtensions": cluster_extensions.list_cluster_extensions,
+    "UpdateClusterExtension": cluster_extensions.update_cluster_extension,
+    "DeleteClusterExtension": cluster_extensions.delete_cluster_extension,
+    "ListClusterExtensionVersions": cluster_extensions.list_cluster_extension_versions,
+    # Volumes and network interfaces attached to nodes (apiops, issue 15).
+    "AttachClusterNodeVolume": node_attachments.attach_cluster_node_volume,
+    "DetachClusterNodeVolume": node_attachments.detach_cluster_node_volume,
+    "AttachClusterNodeNetworkInterface": node_attachments.attach_cluster_node_network_interface,
 }
 
 

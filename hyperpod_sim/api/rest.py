@@ -157,6 +157,118 @@ ROUTES = [
         "Describe one event",
         {"name": "ClusterName", "event_id": "EventId"},
     ),
+    # Cluster operation records (apiops, issue 15).
+    Route(
+        "GET",
+        "/clusters/{name}/operations",
+        "ListClusterOperations",
+        "List a cluster's operations (scaling, node operations), newest first",
+        {"name": "ClusterName"},
+        query=True,
+    ),
+    Route(
+        "GET",
+        "/clusters/{name}/operations/{operation_id}",
+        "DescribeClusterOperation",
+        "Describe one cluster operation",
+        {"name": "ClusterName", "operation_id": "OperationId"},
+    ),
+    # Cluster scheduler configs (apiops, issue 15).
+    Route(
+        "POST",
+        "/cluster-scheduler-configs",
+        "CreateClusterSchedulerConfig",
+        "Create a cluster's scheduler config (task governance policy)",
+        body=True,
+        example={
+            "Name": "policy",
+            "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+            "SchedulerConfig": {
+                "PriorityClasses": [{"Name": "training", "Weight": 80}],
+                "FairShare": "Enabled",
+            },
+        },
+    ),
+    Route(
+        "GET",
+        "/cluster-scheduler-configs",
+        "ListClusterSchedulerConfigs",
+        "List scheduler configs",
+        query=True,
+    ),
+    Route(
+        "GET",
+        "/cluster-scheduler-configs/{config_id}",
+        "DescribeClusterSchedulerConfig",
+        "Describe a scheduler config (its latest version, or ClusterSchedulerConfigVersion)",
+        {"config_id": "ClusterSchedulerConfigId"},
+        query=True,
+    ),
+    Route(
+        "PATCH",
+        "/cluster-scheduler-configs/{config_id}",
+        "UpdateClusterSchedulerConfig",
+        "Update a scheduler config (TargetVersion: its current version)",
+        {"config_id": "ClusterSchedulerConfigId"},
+        body=True,
+    ),
+    Route(
+        "DELETE",
+        "/cluster-scheduler-configs/{config_id}",
+        "DeleteClusterSchedulerConfig",
+        "Delete a scheduler config",
+        {"config_id": "ClusterSchedulerConfigId"},
+    ),
+    # Cluster extensions (apiops, issue 15): named by ARN, so in the query or body, as /tags does.
+    Route(
+        "POST",
+        "/cluster-extensions",
+        "CreateClusterExtension",
+        "Install an extension on a Slurm cluster (NodeProvisioningMode Continuous)",
+        body=True,
+        example={
+            "ClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl",
+            "ExtensionName": "sagemaker-observability",
+        },
+    ),
+    Route("GET", "/cluster-extensions", "ListClusterExtensions", "List a cluster's extensions", query=True),
+    Route(
+        "GET", "/cluster-extensions/describe", "DescribeClusterExtension", "Describe an extension", query=True
+    ),
+    Route("PATCH", "/cluster-extensions", "UpdateClusterExtension", "Update an extension", body=True),
+    Route("POST", "/cluster-extensions/delete", "DeleteClusterExtension", "Delete an extension", body=True),
+    Route(
+        "GET",
+        "/cluster-extension-versions/{extension_name}",
+        "ListClusterExtensionVersions",
+        "List the versions of an extension on offer, highest first",
+        {"extension_name": "ExtensionName"},
+        query=True,
+    ),
+    # Volumes and network interfaces attached to nodes (apiops, issue 15).
+    Route(
+        "POST",
+        "/clusters/{name}/nodes/{node_id}/network-interfaces",
+        "AttachClusterNodeNetworkInterface",
+        "Attach a network interface to a node",
+        {"name": "ClusterName", "node_id": "NodeId"},
+        body=True,
+        example={"NetworkInterfaceId": "eni-0123456789abcdef0"},
+    ),
+    Route(
+        "POST",
+        "/cluster-node-volumes/attach",
+        "AttachClusterNodeVolume",
+        "Attach an EBS volume to a node of an EKS cluster",
+        body=True,
+    ),
+    Route(
+        "POST",
+        "/cluster-node-volumes/detach",
+        "DetachClusterNodeVolume",
+        "Detach an EBS volume from a node",
+        body=True,
+    ),
     Route(
         "GET",
         "/tags",

@@ -19,7 +19,7 @@ from sqlalchemy import Select, bindparam, delete, func, select
 from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.interfaces import LoaderOption
 
-from hyperpod_sim.domain import cluster_rules, events
+from hyperpod_sim.domain import cluster_rules, events, operations
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.errors import (
@@ -155,6 +155,12 @@ class ClusterService:
     def _get(self, session: Session, name_or_arn: str, *, lock: bool = False) -> Cluster:
         return get_cluster(session, name_or_arn, selectinload(Cluster.instance_groups), lock=lock)
 
+    def _scaling(self, session: Session, cluster: Cluster, requested_by: str, **counts: Any) -> None:
+        """Record a Scaling operation (domain/operations.py record_scaling takes ``counts``)."""
+        operations.record_scaling(
+            session, ids=self.ids, now=self.clock.now(), cluster=cluster, requested_by=requested_by, **counts
+        )
+
     def _start_rollout(self, session: Session, cluster: Cluster, what: str) -> None:
         """InService -> Updating with a new policy generation, until every node applied it."""
         generation = bump_generation(cluster)
@@ -231,6 +237,7 @@ class ClusterService:
                 for i, spec in enumerate(restricted)
             ]
             session.add(cluster)
+            self._scaling(session, cluster, "CreateCluster", current={}, original={})
             for tag in tags or []:
                 session.add(Tag(resource_arn=cluster.arn, key=tag["Key"], value=tag["Value"]))
             events.record(
@@ -331,6 +338,8 @@ class ClusterService:
             )
             now = self.clock.now()
             existing = {g.name: g for g in cluster.instance_groups}
+            before = {g.name: g.target_count for g in cluster.instance_groups}
+            live = operations.live_counts(cluster)
             position = max((g.position for g in cluster.instance_groups), default=-1) + 1
             for spec, is_restricted in [*[(s, False) for s in groups], *[(s, True) for s in restricted]]:
                 current = existing.get(spec["InstanceGroupName"])
@@ -352,6 +361,8 @@ class ClusterService:
             cluster.tiered_storage = tiered
             if extra:
                 cluster.extra = {**cluster.extra, **extra}
+            desired = {name: 0 for name in to_delete}
+            self._scaling(session, cluster, "UpdateCluster", current=live, original=before, desired=desired)
             self._start_rollout(session, cluster, "Cluster update started")
         self.on_change()
         return cluster
@@ -366,6 +377,14 @@ class ClusterService:
                 )
             now = self.clock.now()
             cluster.updated_time = now
+            self._scaling(
+                session,
+                cluster,
+                "DeleteCluster",
+                current=operations.live_counts(cluster),
+                original={g.name: g.target_count for g in cluster.instance_groups},
+                desired={g.name: 0 for g in cluster.instance_groups},
+            )
             events.move(
                 session,
                 cluster,
@@ -475,6 +494,9 @@ class ClusterService:
             cluster = self._get(session, name, lock=True)
             nodes = list(session.scalars(select(Node).where(Node.cluster_id == cluster.id)))
             groups = {g.name: g for g in cluster.instance_groups}
+            before = {g.name: g.target_count for g in cluster.instance_groups}
+            live = operations.live_counts(cluster)
+            deleted: list[Node] = []
             for wanted, attr, result in (
                 (node_ids or [], "id", by_id),
                 (node_logical_ids or [], "logical_id", by_logical),
@@ -509,13 +531,24 @@ class ClusterService:
                             cluster=cluster,
                             description=f"Node {node.id} deleted by BatchDeleteClusterNodes.",
                         )
+                        deleted.append(node)
                         group = groups.get(node.group_name)
                         if group is not None and group.target_count > 0:
                             group.target_count -= 1
                             group.spec = {**group.spec, "InstanceCount": group.target_count}
                         result.successful.append(key)
-            if by_id.successful or by_logical.successful:
+            if deleted:
                 bump_generation(cluster)  # the replica ring changed
+                touched = {n.group_name for n in deleted}
+                self._scaling(
+                    session,
+                    cluster,
+                    "BatchDeleteClusterNodes",
+                    current=live,
+                    original=before,
+                    groups=[g for g in cluster.instance_groups if g.name in touched],
+                    node_ids=[n.id for n in deleted],
+                )
         self.on_change()
         return by_id, by_logical
 
@@ -530,6 +563,7 @@ class ClusterService:
         event_time_after: datetime | None = None,
         event_time_before: datetime | None = None,
         resource_type: str | None = None,
+        operation_id: str | None = None,
         sort_order: str | None = None,
         max_results: int | None = None,
         next_token: str | None = None,
@@ -547,13 +581,17 @@ class ClusterService:
                 query = query.where(ClusterEvent.event_time < event_time_before)
             if resource_type:
                 query = query.where(ClusterEvent.resource_type == resource_type)
+            if operation_id:
+                query = query.where(ClusterEvent.operation_id == operation_id)
             # Documented default: newest first.
             if sort_order == "Ascending":
                 query = query.order_by(ClusterEvent.event_time.asc(), ClusterEvent.id.asc())
             else:
                 query = query.order_by(ClusterEvent.event_time.desc(), ClusterEvent.id.desc())
             found = list(session.scalars(query))
-        scope = f"events:{cluster.id}:{instance_group_name}:{node_id}:{resource_type}:{sort_order}"
+        scope = (
+            f"events:{cluster.id}:{instance_group_name}:{node_id}:{resource_type}:{operation_id}:{sort_order}"
+        )
         return cluster, paginate(found, max_results=max_results, token=next_token, scope=scope)
 
     def describe_cluster_event(self, *, name: str, event_id: str) -> tuple[Cluster, ClusterEvent]:

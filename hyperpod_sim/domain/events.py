@@ -47,6 +47,7 @@ def record(
         event_time=now,
         level=level,
         description=description,
+        operation_id=cluster.operation_id,
     )
     session.add(event)
     return event

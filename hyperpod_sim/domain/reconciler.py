@@ -22,7 +22,7 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from hyperpod_sim.domain import events, faults
+from hyperpod_sim.domain import events, faults, operations
 from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, bump_generation
@@ -241,7 +241,9 @@ class Reconciler:
             bump_generation(cluster)
         if self.provisioner.uses_agents:
             outcome.merge(claim_pushes(cluster, now, self.pusher.config))
-        return outcome.merge(self.settle_status(session, cluster, now, converged=outcome.converged))
+        outcome.merge(self.settle_status(session, cluster, now, converged=outcome.converged))
+        operations.settle(session, cluster=cluster, now=now)  # its operation Done once it is InService
+        return outcome
 
     def remove_stopped_nodes(self, session: Session, cluster: Cluster) -> Outcome:
         """Nodes that are shutting down go away once their agent has stopped. An agent told to

@@ -6,8 +6,12 @@ from hyperpod_sim.models.tables import (
     CheckpointNamespace,
     Cluster,
     ClusterEvent,
+    ClusterExtension,
+    ClusterOperation,
+    ClusterSchedulerConfig,
     InstanceGroup,
     Node,
+    NodeAttachment,
     Tag,
 )
 
@@ -16,8 +20,12 @@ __all__ = [
     "CheckpointNamespace",
     "Cluster",
     "ClusterEvent",
+    "ClusterExtension",
+    "ClusterOperation",
+    "ClusterSchedulerConfig",
     "Database",
     "InstanceGroup",
     "Node",
+    "NodeAttachment",
     "Tag",
 ]

@@ -66,6 +66,8 @@ class Cluster(Base):
     # What trainers send to the agents' checkpoint routes when AgentAccess is Token (agents get
     # only its SHA-256, in the node policy).
     checkpoint_token: Mapped[str] = mapped_column(String(64))
+    # The cluster's operation in progress (domain/operations.py): its events carry its id.
+    operation_id: Mapped[str | None] = mapped_column(String(36))
 
     instance_groups: Mapped[list[InstanceGroup]] = relationship(
         back_populates="cluster",
@@ -149,6 +151,29 @@ class ClusterEvent(Base):
     event_time: Mapped[datetime] = mapped_column(index=True)
     level: Mapped[str] = mapped_column(String(8))
     description: Mapped[str] = mapped_column(Text)
+    # The cluster operation in progress when it was recorded (ListClusterEvents' OperationId).
+    operation_id: Mapped[str | None] = mapped_column(String(36), index=True)
+
+
+class ClusterOperation(Base):
+    """A cluster operation record (DescribeClusterOperation, ListClusterOperations): what a
+    request started, on which nodes, and whether it is still in progress."""
+
+    __tablename__ = "cluster_operations"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    # ClusterOperationType of the model (Scaling, DeepHealthCheck) or one of hyperpod-sim's own.
+    type: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))
+    # The API operation that started it (CreateCluster, BatchDeleteClusterNodes, ...).
+    requested_by: Mapped[str] = mapped_column(String(64))
+    creation_time: Mapped[datetime] = mapped_column(index=True)
+    end_time: Mapped[datetime | None]
+    # Node ids it acts on (empty: the cluster's groups as a whole).
+    node_ids: Mapped[list[Any]]
+    # Its ScalingDetails / DeepHealthCheckDetails, in their wire shape.
+    details: Mapped[dict[str, Any]]
 
 
 class Tag(Base):
@@ -173,3 +198,61 @@ class CheckpointNamespace(Base):
     num_ranks: Mapped[int]
     steps_retained: Mapped[int]
     created_at: Mapped[datetime]
+
+
+class ClusterSchedulerConfig(Base):
+    """A cluster policy of task governance (CreateClusterSchedulerConfig), with every version."""
+
+    __tablename__ = "cluster_scheduler_configs"
+
+    id: Mapped[str] = mapped_column(String(12), primary_key=True)
+    arn: Mapped[str] = mapped_column(String(256), unique=True)
+    name: Mapped[str] = mapped_column(String(63))
+    # One policy per cluster (ConflictException for a second).
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), unique=True)
+    status: Mapped[str] = mapped_column(String(32))
+    version: Mapped[int]
+    creation_time: Mapped[datetime]
+    last_modified_time: Mapped[datetime]
+    tags: Mapped[list[Any]]
+    # Every version, oldest first: {"Version", "SchedulerConfig", "Description", "Time"}.
+    versions: Mapped[list[Any]]
+
+
+class ClusterExtension(Base):
+    """An extension installed on a cluster (CreateClusterExtension), at one version and configuration."""
+
+    __tablename__ = "cluster_extensions"
+    __table_args__ = (UniqueConstraint("cluster_id", "name"),)
+
+    id: Mapped[str] = mapped_column(String(12), primary_key=True)
+    arn: Mapped[str] = mapped_column(String(256), unique=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    version: Mapped[str] = mapped_column(String(64))
+    # ConfigurationValues as a JSON object (the wire carries it serialized as a string).
+    configuration: Mapped[dict[str, Any] | None]
+    # Creating or Updating until every live node runs it; then it reads Active.
+    phase: Mapped[str] = mapped_column(String(16))
+    client_token: Mapped[str | None] = mapped_column(String(64))
+    creation_time: Mapped[datetime]
+    last_modified_time: Mapped[datetime]
+    tags: Mapped[list[Any]]
+
+
+class NodeAttachment(Base):
+    """An EBS volume or a network interface attached to a node (AttachClusterNodeVolume,
+    AttachClusterNodeNetworkInterface); gone with the node (a replacement is fresh hardware)."""
+
+    __tablename__ = "node_attachments"
+    __table_args__ = (UniqueConstraint("kind", "resource_id"),)
+
+    id: Mapped[str] = mapped_column(String(28), primary_key=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"), index=True)
+    # "volume" or "network-interface".
+    kind: Mapped[str] = mapped_column(String(20))
+    # vol-... or eni-...
+    resource_id: Mapped[str] = mapped_column(String(256))
+    device_name: Mapped[str | None] = mapped_column(String(32))
+    attach_time: Mapped[datetime]

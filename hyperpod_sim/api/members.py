@@ -1,0 +1,207 @@
+"""Output members derived from what a cluster stores (issue 15: every member returned that applies).
+
+The handlers in api/operations.py call these to fill members whose value is not a stored input
+echoed under its own name: renamed ones (``ImageReleaseVersion`` -> ``Current``/
+``DesiredImageReleaseVersion``), ones that describe the simulator's state (``ImageVersionStatus``,
+``ActiveOperations``) and the event metadata of DescribeClusterEvent. What the model defines and
+hyperpod-sim does not return is listed, with the reason, in ``NOT_RETURNED``; the output drift
+test (tests/test_output_drift.py) holds every output member of every cluster operation to one or
+the other.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from hyperpod_sim.models import Cluster, ClusterEvent, InstanceGroup, Node
+
+# hyperpod-sim runs no AMIs and knows no newer release than the one a group asked for: every
+# group and node is on the latest image it can have.
+IMAGE_UP_TO_DATE = "UpToDate"
+# A training plan's capacity is not reserved here; a group that names one runs as if it were.
+TRAINING_PLAN_ACTIVE = "Active"
+# Group statuses during which a scaling operation is in progress (ActiveOperations: Scaling).
+_SCALING_STATUSES = frozenset({"Creating", "Updating"})
+
+NOT_RETURNED: dict[str, str] = {
+    # "Shape.Member": why hyperpod-sim does not return it.
+    "ClusterInstanceGroupDetails.SoftwareUpdateStatus": (
+        "set only while UpdateClusterSoftware runs, which this build does not serve yet"
+    ),
+    "ClusterInstanceGroupDetails.ActiveSoftwareUpdateConfig": (
+        "set only while UpdateClusterSoftware runs, which this build does not serve yet"
+    ),
+    "ClusterNodeSummary.LastSoftwareUpdateTime": "no node has had a software update (UpdateClusterSoftware)",
+    "ClusterNodeDetails.LastSoftwareUpdateTime": "no node has had a software update (UpdateClusterSoftware)",
+    "ClusterNodeSummary.UltraServerInfo": "no UltraServer instance types are simulated",
+    "ClusterNodeDetails.UltraServerInfo": "no UltraServer instance types are simulated",
+    "ClusterNodeDetails.PrivatePrimaryIpv6": "simulated nodes have IPv4 loopback-range addresses only",
+    "ClusterMetadata.EksRoleAccessEntries": "no EKS cluster is called; no access entries are created",
+    "ClusterMetadata.SlrAccessEntry": "no EKS cluster is called; no access entries are created",
+    "InstanceGroupMetadata.CapacityReservation": "no capacity reservations are simulated",
+    "InstanceGroupMetadata.AmiOverride": "no AMIs are run",
+    "EventMetadata.InstanceGroupScaling": "scaling events carry their counts in the description",
+    "InstanceMetadata.CustomerEni": "no ENIs are created",
+    "InstanceMetadata.AdditionalEnis": "no ENIs are created",
+    "InstanceMetadata.InstanceRequirementsEniConfigurations": "no ENIs are created",
+    "InstanceMetadata.CapacityReservation": "no capacity reservations are simulated",
+    "InstanceMetadata.LcsExecutionState": "lifecycle scripts are not run",
+    "EventMetadata.DatabaseConfiguration": "no Slurm accounting database is configured",
+    "EventMetadata.SlurmHealth": "no Slurm daemons are run",
+    "DescribeClusterOperationResponse.DeepHealthCheckDetails": (
+        "only deep health check operations have them (StartClusterHealthCheck, not served yet)"
+    ),
+    "DescribeClusterSchedulerConfigResponse.FailureReason": "no scheduler is configured, so none fails",
+    "DescribeClusterSchedulerConfigResponse.CreatedBy": (
+        "a Studio user profile or IAM identity: requests here carry neither (access keys only)"
+    ),
+    "DescribeClusterSchedulerConfigResponse.LastModifiedBy": (
+        "a Studio user profile or IAM identity: requests here carry neither (access keys only)"
+    ),
+    "ListClusterExtensionsResponse.NextToken": (
+        "the catalog offers one extension and a cluster has at most one of a name: never a second page"
+    ),
+    "ExtensionHealthIssue.Code": "nothing is installed on the nodes, so no extension has a health issue",
+    "ExtensionHealthIssue.Message": "nothing is installed on the nodes, so no extension has a health issue",
+    "ExtensionHealthIssue.NodeCount": "nothing is installed on the nodes, so no extension has a health issue",
+    "ClusterAutoScalingConfigOutput.FailureMessage": "no autoscaler is run, so none fails",
+    "EnvironmentConfigDetails.S3OutputPath": (
+        "the S3 location HyperPod chooses for a restricted group's output; none is made here"
+    ),
+}
+
+
+def storable(value: Any) -> Any:
+    """A validated input as the JSON columns store it: timestamps (datetimes once validated, as
+    AutoPatchConfig.PatchSchedule.NextPatchDate) as epoch seconds, which output serialization
+    passes through unchanged."""
+    if isinstance(value, datetime):
+        return value.timestamp()
+    if isinstance(value, dict):
+        return {key: storable(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [storable(item) for item in value]
+    return value
+
+
+def image_release(spec: dict[str, Any]) -> dict[str, Any]:
+    """Current/DesiredImageReleaseVersion from the group's ``ImageReleaseVersion`` (the same
+    until a software update changes the desired one), with its ImageVersionStatus."""
+    out: dict[str, Any] = {"ImageVersionStatus": IMAGE_UP_TO_DATE}
+    version = spec.get("ImageReleaseVersion")
+    if version is not None:
+        out["CurrentImageReleaseVersion"] = out["DesiredImageReleaseVersion"] = version
+    return out
+
+
+def kubernetes_details(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The group's KubernetesConfig as Current/Desired labels and taints."""
+    k8s = spec.get("KubernetesConfig")
+    if k8s is None:
+        return None
+    return {
+        key: k8s[src]
+        for key, src in (
+            ("CurrentLabels", "Labels"),
+            ("DesiredLabels", "Labels"),
+            ("CurrentTaints", "Taints"),
+            ("DesiredTaints", "Taints"),
+        )
+        if src in k8s
+    }
+
+
+def auto_patch_details(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """AutoPatchConfig as DescribeCluster returns it: PatchSchedule as Current/DesiredPatchSchedule."""
+    config = spec.get("AutoPatchConfig")
+    if config is None:
+        return None
+    out = {key: value for key, value in config.items() if key != "PatchSchedule"}
+    if "PatchSchedule" in config:
+        out["CurrentPatchSchedule"] = out["DesiredPatchSchedule"] = config["PatchSchedule"]
+    return out
+
+
+def group_state(group: InstanceGroup, running: int, by_type: dict[str, int]) -> dict[str, Any]:
+    """Members of ClusterInstanceGroupDetails that describe the group's state."""
+    spec = group.spec
+    out: dict[str, Any] = {**image_release(spec), "TargetStateCount": running}
+    if group.status in _SCALING_STATUSES:
+        out["ActiveOperations"] = {"Scaling": 1}
+    if "TrainingPlanArn" in spec:
+        out["TrainingPlanStatus"] = TRAINING_PLAN_ACTIVE
+    if "InstanceRequirements" in spec:
+        out["InstanceTypeDetails"] = [
+            {
+                "InstanceType": instance_type,
+                "CurrentCount": by_type.get(instance_type, 0),
+                "ThreadsPerCore": spec.get("ThreadsPerCore"),
+            }
+            for instance_type in spec["InstanceRequirements"]["InstanceTypes"]
+        ]
+    return out
+
+
+def capacity_type(spec: dict[str, Any]) -> str:
+    """Spot when the group asked for Spot capacity, OnDemand otherwise (the default)."""
+    return "Spot" if "Spot" in (spec.get("CapacityRequirements") or {}) else "OnDemand"
+
+
+def node_state(spec: dict[str, Any], *, details: bool) -> dict[str, Any]:
+    """Members of ClusterNodeSummary (``details``: ClusterNodeDetails) taken from the node's group."""
+    release = image_release(spec)
+    if not details:
+        release.pop("DesiredImageReleaseVersion", None)
+        return release
+    out = {**release, "CapacityType": capacity_type(spec), "KubernetesConfig": kubernetes_details(spec)}
+    if "NetworkInterface" in spec:
+        out["NetworkInterface"] = spec["NetworkInterface"]
+    return out
+
+
+def restricted_config(stored: dict[str, Any] | None) -> dict[str, Any] | None:
+    """RestrictedInstanceGroupsConfig as DescribeCluster returns it (Current = Desired: the
+    shared FSx for Lustre file system is not provisioned, so it never lags the request)."""
+    if stored is None:
+        return None
+    shared = stored["SharedEnvironmentConfig"]
+    out: dict[str, Any] = {}
+    if "FSxLustreConfig" in shared:
+        out["CurrentFSxLustreConfig"] = out["DesiredFSxLustreConfig"] = shared["FSxLustreConfig"]
+    if "FSxLustreDeletionPolicy" in shared:
+        policy = shared["FSxLustreDeletionPolicy"]
+        out["CurrentFSxLustreDeletionPolicy"] = out["DesiredFSxLustreDeletionPolicy"] = policy
+    return {"SharedEnvironmentConfig": out}
+
+
+def event_details(
+    cluster: Cluster, event: ClusterEvent, node: Node | None, region: str
+) -> dict[str, Any] | None:
+    """EventDetails of DescribeClusterEvent: the metadata of the event's resource, as it is now."""
+    metadata: dict[str, Any] = {}
+    if event.resource_type == "Cluster":
+        if cluster.failure_message:
+            metadata["Cluster"] = {"FailureMessage": cluster.failure_message}
+    elif event.resource_type == "InstanceGroup":
+        group = next((g for g in cluster.instance_groups if g.name == event.instance_group_name), None)
+        vpc = (group.spec.get("OverrideVpcConfig") if group is not None else None) or cluster.vpc_config
+        described: dict[str, Any] = {"AvailabilityZoneId": availability_zone_id(region)}
+        if vpc:
+            described["SubnetId"] = vpc["Subnets"][0]
+            described["SecurityGroupIds"] = vpc["SecurityGroupIds"]
+        if group is not None and group.status == "Failed":
+            described["FailureMessage"] = cluster.failure_message
+        metadata["InstanceGroup"] = described
+    elif node is not None:
+        instance: dict[str, Any] = {"NodeLogicalId": node.logical_id}
+        if node.status == "Failure" and node.status_message:
+            instance["FailureMessage"] = node.status_message
+        metadata["Instance"] = instance
+    return {"EventMetadata": metadata} if metadata else None
+
+
+def availability_zone_id(region: str) -> str:
+    """us-east-1 -> use1-az1: the AZ id shape AWS uses."""
+    area, direction, number = region.split("-")
+    return f"{area}{direction[0]}{number}-az1"
