@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.5",
         "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "3",
         "HPSIM_RECONCILER__INTERVAL_S": "0.5",
+        # Its own data dir, so its own S3 ports too: a `make run` beside it keeps the defaults.
+        "HPSIM_S3__EMBEDDED_PORT": os.environ.get("HPSIM_S3__EMBEDDED_PORT", "0"),
     }
     log = open(workdir / "serve.log", "wb")  # noqa: SIM115 - closed in finally
     serve = subprocess.Popen(
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         start_new_session=True,
     )
     try:
-        _wait_healthy(url, serve)
+        _wait_healthy(url, serve, workdir / "serve.log")
         _say(f"control plane on {url} (SQLite, local agents, embedded S3) in {workdir}")
         with HyperPodClient(url) as client:
             report = _scenario(args, client, url, workdir)
@@ -99,13 +101,14 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait_healthy(url: str, serve: subprocess.Popen[bytes]) -> None:
+def _wait_healthy(url: str, serve: subprocess.Popen[bytes], log: Path) -> None:
     import httpx
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if serve.poll() is not None:
-            raise SystemExit(f"the control plane exited with {serve.returncode}")
+            said = log.read_text(errors="replace").strip().splitlines()[-5:]
+            raise SystemExit(f"the control plane exited with {serve.returncode}: " + "\n".join(said))
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return

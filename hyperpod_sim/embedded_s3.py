@@ -249,6 +249,8 @@ def start_seaweedfs_s3(settings: S3Settings, *, data_dir: Path, port: int | None
     credentials enforced; ready (a signed write answered) when it returns."""
     data_dir = data_dir.resolve()
     port = settings.embedded_port if port is None else port
+    if port == 0:  # a free block, for a throwaway data dir
+        port = seaweedfs.free_embedded_port()
     s3_dir = data_dir / S3_DIR
     s3_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     credentials = load_or_create_credentials(data_dir)

@@ -109,12 +109,13 @@ class S3Settings(BaseModel):
     )
     embedded_port: int = Field(
         default=8333,
-        ge=1024,
+        ge=0,
         le=65535 - EMBEDDED_PORTS + 1 - GRPC_OFFSET,
         description="seaweedfs: the S3 port of the embedded server, the same on every start. SeaweedFS's "
         f"other listeners take the next {EMBEDDED_PORTS - 1} ports (master, volume, filer, their gRPC "
         f"ports, S3 gRPC, admin) and the admin's gRPC port {GRPC_OFFSET} above the admin's, all on "
-        "127.0.0.1 (8333: 8333-8341 and 18341).",
+        "127.0.0.1 (8333: 8333-8341 and 18341). 0: a free block, chosen at each start (a throwaway "
+        "data dir, as the demo's; agents learn it from the policy).",
     )
     embedded_start_timeout_s: float = Field(
         default=30.0,
@@ -143,6 +144,13 @@ class S3Settings(BaseModel):
             return "seaweedfs" if value else "off"
         if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
             return "seaweedfs" if value.strip().lower() in _TRUE else "off"
+        return value
+
+    @field_validator("embedded_port")
+    @classmethod
+    def _unprivileged(cls, value: int) -> int:
+        if 0 < value < 1024:
+            raise ValueError("the embedded S3 port must be 0 (a free block) or 1024 and above")
         return value
 
 

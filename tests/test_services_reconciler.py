@@ -273,7 +273,7 @@ def test_claim_pushes_claims_each_behind_node_once(
         next(n for n in cluster.nodes if n.id == current.id).acked_generation = 1
     outcome = phase(db, "one", lambda s, c: claim_pushes(c, clock.now(), reconciler.pusher.config))
     (push,) = outcome.pushes
-    assert (push.node_id, push.token, push.policy["generation"]) == (behind.id, "push-token", 1)
+    assert (push.node_id, push.token, push.policy.generation) == (behind.id, "push-token", 1)
     # Claimed: the next pass leaves it to the push in flight, until the claim runs out.
     outcome = phase(db, "one", lambda s, c: claim_pushes(c, clock.now(), reconciler.pusher.config))
     assert outcome.pushes == []
