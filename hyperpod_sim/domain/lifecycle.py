@@ -61,7 +61,9 @@ GROUP_TRANSITIONS: dict[GroupStatus, frozenset[GroupStatus]] = {
 
 NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     NodeStatus.PENDING: frozenset({NodeStatus.RUNNING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
-    NodeStatus.RUNNING: frozenset({NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
+    # A rebooted node (BatchRebootClusterNodes) is Pending until its agent has registered again
+    # and applied the current policy.
+    NodeStatus.RUNNING: frozenset({NodeStatus.PENDING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
     # A failed node whose agent registers or heartbeats again is Pending until it has the policy;
     # one that is replaced (NodeRecovery: Automatic) or deleted shuts down.
     NodeStatus.FAILURE: frozenset({NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN}),

@@ -22,7 +22,7 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from hyperpod_sim.domain import events, faults
+from hyperpod_sim.domain import events, faults, node_operations
 from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, bump_generation
@@ -219,6 +219,15 @@ class Reconciler:
         if cluster.status == ClusterStatus.DELETING:
             return outcome.merge(self.finish_deletion(session, cluster, now))
         outcome.merge(self.end_faults(session, cluster, now))
+        reboots = node_operations.carry_out_reboots(
+            session,
+            cluster,
+            now,
+            ids=self.ids,
+            provisioner=self.provisioner,
+            ready_delay_s=self.config.node_ready_delay_s,
+        )
+        outcome.merge(reboots)
         if self.provisioner.uses_agents:
             restarts = self.health.restart_crashed_agents(session, cluster, now)
             outcome.merge(restarts)
@@ -228,7 +237,7 @@ class Reconciler:
                     cluster,
                     now,
                     back=self._back_since(),
-                    restart_pending=restarts.restart_pending,
+                    restart_pending=restarts.restart_pending | reboots.restart_pending,
                     started_again_and_silent=self._started_again_and_silent,
                 )
             )

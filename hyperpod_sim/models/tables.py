@@ -134,6 +134,12 @@ class Node(Base):
     launch_secret_hash: Mapped[str | None] = mapped_column(String(64))
     token_hash: Mapped[str | None] = mapped_column(String(64), index=True)
     push_token: Mapped[str | None] = mapped_column(String(64))
+    # The node operation in progress (domain/node_operations.py): Reboot (its agent stops, its
+    # shared memory is cleared, it starts again on the same node) or SoftwareUpdate; None: none.
+    pending_action: Mapped[str | None] = mapped_column(String(32))
+    # The image release version the node runs (UpdateClusterSoftware), and when it last changed.
+    image_version: Mapped[str | None] = mapped_column(String(32))
+    last_software_update: Mapped[datetime | None]
 
     cluster: Mapped[Cluster] = relationship(back_populates="nodes")
 

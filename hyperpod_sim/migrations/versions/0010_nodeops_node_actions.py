@@ -1,0 +1,33 @@
+"""nodeops: the node operation in progress (BatchRebootClusterNodes, UpdateClusterSoftware, ...)
+
+Revision ID: 0010_nodeops
+Revises: 0009
+Create Date: 2026-12-01 12:30:00.000000
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+import hyperpod_sim.models.tables
+
+
+revision = '0010_nodeops'
+down_revision = '0009'
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table('nodes', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('pending_action', sa.String(length=32), nullable=True))
+        batch_op.add_column(sa.Column('image_version', sa.String(length=32), nullable=True))
+        batch_op.add_column(sa.Column('last_software_update', hyperpod_sim.models.tables.UtcDateTime(timezone=True), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table('nodes', schema=None) as batch_op:
+        batch_op.drop_column('last_software_update')
+        batch_op.drop_column('image_version')
+        batch_op.drop_column('pending_action')
