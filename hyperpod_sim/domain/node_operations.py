@@ -145,6 +145,8 @@ class NodeOperations:
     def _reboot(self, session: Session, cluster: Cluster, node: Node, now: datetime) -> None:
         node.pending_action = REBOOT
         node.status_message = "Rebooting (BatchRebootClusterNodes)."
+        # Not Running again before its agent has registered anew (hyperpod_sim/domain/reconciler.py).
+        node.registered_at = None
         events.move(
             session,
             node,
@@ -236,7 +238,6 @@ def carry_out_reboots(
             # The agent registers again (with a new launch secret) and applies the policy anew; it
             # has the launch timeout to do so, counted from now.
             node.endpoint = None
-            node.registered_at = None
             node.acked_generation = 0
             node.agent_restarted_at = now
             node.last_heartbeat = node.last_heartbeat or now
