@@ -16,6 +16,7 @@ from hyperpod_sim.api import shapes
 from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from hyperpod_sim.domain.errors import UnknownOperationException
 from hyperpod_sim.domain.node_operations import NodeOperations, NodeResults
+from hyperpod_sim.domain.software_update import SoftwareUpdateService
 from hyperpod_sim.models import Cluster, ClusterEvent, InstanceGroup, Node
 
 Params = dict[str, Any]
@@ -330,6 +331,17 @@ def batch_replace_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any
     )
 
 
+def update_cluster_software(svc: ClusterService, p: Params) -> dict[str, Any]:
+    service = SoftwareUpdateService(db=svc.db, clock=svc.clock, ids=svc.ids, on_change=svc.on_change)
+    cluster = service.update_cluster_software(
+        name=p["ClusterName"],
+        instance_groups=p.get("InstanceGroups"),
+        deployment_config=p.get("DeploymentConfig"),
+        image_id=p.get("ImageId"),
+    )
+    return {"ClusterArn": cluster.arn}
+
+
 # ---------------------------------------------------------------------- events
 
 
@@ -393,6 +405,7 @@ OPERATIONS: dict[str, Handler] = {
     # Node operations (nodeops: hyperpod_sim/domain/node_operations.py).
     "BatchRebootClusterNodes": batch_reboot_cluster_nodes,
     "BatchReplaceClusterNodes": batch_replace_cluster_nodes,
+    "UpdateClusterSoftware": update_cluster_software,
     "ListClusterEvents": list_cluster_events,
     "DescribeClusterEvent": describe_cluster_event,
     "AddTags": add_tags,

@@ -44,6 +44,9 @@ from hyperpod_sim.domain.provisioning import Provisioner
 from hyperpod_sim.models import Cluster, Database, Node
 
 REBOOT = "Reboot"
+SOFTWARE_UPDATE = "SoftwareUpdate"
+# The status a node has while each restarting operation is under way.
+_RESTARTS = {REBOOT: NodeStatus.PENDING, SOFTWARE_UPDATE: NodeStatus.SYSTEM_UPDATING}
 # Statuses from which a node can be rebooted or replaced.
 ACTIONABLE = (NodeStatus.RUNNING, NodeStatus.FAILURE)
 
@@ -208,7 +211,7 @@ def _refusal(cluster: Cluster, node: Node | None, key: str, verb: str) -> tuple[
 # ---------------------------------------------------------------------- the reconciler's part
 
 
-def carry_out_reboots(
+def carry_out_restarts(
     session: Session,
     cluster: Cluster,
     now: datetime,
@@ -217,15 +220,17 @@ def carry_out_reboots(
     provisioner: Provisioner,
     ready_delay_s: float,
 ) -> Outcome:
-    """One reconcile phase: the agent of each node being rebooted is stopped (gracefully: it
-    drains to S3); once it is gone, the node's shared memory is cleared and its agent started
-    again, as a new process that registers with a new launch secret. Until then the node is not
-    failed for its agent's silence (``restart_pending``)."""
+    """One reconcile phase: the agent of each node being rebooted (or updated, in its batch of a
+    rolling software update) is stopped gracefully (it drains to S3); once it is gone, the node's
+    shared memory is cleared and its agent started again, as a new process that registers with a
+    new launch secret. Until then the node is not failed for its agent's silence
+    (``restart_pending``)."""
     outcome = Outcome()
     for node in cluster.nodes:
-        if node.pending_action != REBOOT:
+        expected = _RESTARTS.get(node.pending_action or "")
+        if expected is None:
             continue
-        if node.status != NodeStatus.PENDING:  # deleted or failed meanwhile
+        if node.status != expected:  # deleted or failed meanwhile
             node.pending_action = None
             continue
         outcome.restart_pending.add(node.id)
@@ -251,15 +256,18 @@ def carry_out_reboots(
         else:
             node.ready_at = now + timedelta(seconds=ready_delay_s)
             what = "it is Running again after the launch delay"
+        action = node.pending_action
         node.pending_action = None
-        node.status_message = None
+        if action == REBOOT:
+            node.status_message = None
         events.record(
             session,
             ids=ids,
             now=now,
             cluster=cluster,
             node=node,
-            description=f"Node {node.id} rebooted: {what}.",
+            description=f"Node {node.id} {'rebooted' if action == REBOOT else 'restarted for its update'}: "
+            f"{what}.",
         )
         outcome.changed = True
     return outcome

@@ -22,7 +22,7 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from hyperpod_sim.domain import events, faults, node_operations
+from hyperpod_sim.domain import events, faults, node_operations, software_update
 from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, bump_generation
@@ -154,7 +154,12 @@ class Reconciler:
             query = query.where(
                 or_(
                     Cluster.status.in_(
-                        [ClusterStatus.CREATING, ClusterStatus.UPDATING, ClusterStatus.DELETING]
+                        [
+                            ClusterStatus.CREATING,
+                            ClusterStatus.UPDATING,
+                            ClusterStatus.DELETING,
+                            ClusterStatus.SYSTEM_UPDATING,
+                        ]
                     ),
                     Cluster.id.in_(busy_nodes),
                 )
@@ -219,7 +224,8 @@ class Reconciler:
         if cluster.status == ClusterStatus.DELETING:
             return outcome.merge(self.finish_deletion(session, cluster, now))
         outcome.merge(self.end_faults(session, cluster, now))
-        reboots = node_operations.carry_out_reboots(
+        outcome.merge(software_update.roll(session, cluster, now, ids=self.ids, provisioner=self.provisioner))
+        reboots = node_operations.carry_out_restarts(
             session,
             cluster,
             now,

@@ -1,4 +1,4 @@
-"""nodeops: the node operation in progress (BatchRebootClusterNodes, UpdateClusterSoftware, ...)
+"""nodeops: the node operation in progress, node image versions, a cluster's rolling software update
 
 Revision ID: 0010_nodeops
 Revises: 0009
@@ -20,9 +20,11 @@ depends_on = None
 
 
 def upgrade() -> None:
+    with op.batch_alter_table('clusters', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('software_update', sa.JSON(), nullable=True))
     with op.batch_alter_table('nodes', schema=None) as batch_op:
         batch_op.add_column(sa.Column('pending_action', sa.String(length=32), nullable=True))
-        batch_op.add_column(sa.Column('image_version', sa.String(length=32), nullable=True))
+        batch_op.add_column(sa.Column('image_version', sa.String(length=64), nullable=True))
         batch_op.add_column(sa.Column('last_software_update', hyperpod_sim.models.tables.UtcDateTime(timezone=True), nullable=True))
 
 
@@ -31,3 +33,5 @@ def downgrade() -> None:
         batch_op.drop_column('last_software_update')
         batch_op.drop_column('image_version')
         batch_op.drop_column('pending_action')
+    with op.batch_alter_table('clusters', schema=None) as batch_op:
+        batch_op.drop_column('software_update')
