@@ -15,7 +15,7 @@ import pytest
 
 from hyperpod_sim.sdk.client import HyperPodClient
 from tests.conftest import ControlPlane, wait_for
-from tests.test_faults import client, descriptions, sm
+from tests.test_faults import client, descriptions, sm, when
 from tests.test_memory_tier import cluster, replicated, url
 from tests.test_resilience import (
     EVERY,
@@ -193,3 +193,52 @@ def test_replacing_a_node_and_its_peer_resumes_from_what_they_drained_to_s3(
         s == {"Step": step, "Memory": {}, "Replica": {}, "S3": True, "Complete": True}
         for step, s in view.items()
     ), view
+
+
+# ---------------------------------------------------------------------- rolling software update
+
+
+def test_a_rolling_software_update_keeps_the_job_on_s3(
+    agent_plane: ControlPlane, sm: Any, client: HyperPodClient, s3: Any, bucket: str
+) -> None:
+    """Two nodes, each the other's replica peer: they are updated one at a time (never together),
+    but the second batch clears the replicas the first node's steps had left, so no copy in memory
+    survives the whole update; what carries the job through is the graceful stop of each agent,
+    which persists its newest complete step to S3 first."""
+    nodes = cluster(sm, agent_plane, "patch", 2)
+    a, b = nodes[0]["InstanceId"], nodes[1]["InstanceId"]
+    before = url(nodes[0])
+    set_policy(agent_plane, sm, "patch", S3BaseUri=f"s3://{bucket}/patch", PersistEverySteps=4)
+    for step in range(1, 11):
+        checkpoint(before, step)
+    wait_for(lambda: 8 in markers(s3, bucket, "patch/job/"), timeout=60, what="step 8 on S3")
+    wait_for(lambda: replicated(before), timeout=30, what="the replicas on the peer")
+
+    sm.update_cluster_software(ClusterName="patch")
+    assert sm.describe_cluster(ClusterName="patch")["ClusterStatus"] == "SystemUpdating"
+    wait_for(
+        lambda: sm.describe_cluster(ClusterName="patch")["ClusterStatus"] == "InService",
+        timeout=120,
+        what="the update to finish",
+    )
+    texts = descriptions(client, "patch")
+    assert "Software update started: workers to 1.1.0; 2 nodes in 2 batches." in texts
+    # One node per batch (each is the other's replica peer); the second went down only once the
+    # first was back.
+    (one,) = [
+        n for n in (a, b) if f"Node {n} is updating to image release 1.1.0 (batch 1 of 2)" in " ".join(texts)
+    ]
+    (two,) = {a, b} - {one}
+    # (In the same pass, so at the same time: the listing orders those by event id.)
+    back = when(client, "patch", f"Node {one} is Running on image release 1.1.0.")
+    down = when(client, "patch", f"Node {two} is updating to image release 1.1.0")
+    assert back <= down, texts
+    assert not [t for t in texts if t.startswith("Node ") and " failed: " in t], texts
+    after = agent_of(agent_plane, "patch", a)
+    assert after != before
+    loaded = resume(after)
+    assert loaded.step == 10  # drained to S3 by a's agent as it stopped: no step lost
+    assert loaded.served_by == {RANK: "s3"}
+    view = steps_view(client, "patch")
+    assert all(s["Memory"] == {} and s["Replica"] == {} for s in view.values()), view
+    assert sorted(n["InstanceId"] for n in client.list_nodes("patch")) == sorted([a, b])
