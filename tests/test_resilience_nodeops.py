@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hyperpod_sim.sdk.client import HyperPodClient
-from tests.conftest import ControlPlane, wait_for
+from tests.conftest import ROLE, ControlPlane, wait_for
 from tests.test_faults import client, descriptions, sm, when
 from tests.test_memory_tier import cluster, replicated, url
 from tests.test_resilience import (
@@ -242,3 +242,38 @@ def test_a_rolling_software_update_keeps_the_job_on_s3(
     view = steps_view(client, "patch")
     assert all(s["Memory"] == {} and s["Replica"] == {} for s in view.values()), view
     assert sorted(n["InstanceId"] for n in client.list_nodes("patch")) == sorted([a, b])
+
+
+# ---------------------------------------------------------------------- added nodes
+
+
+def test_an_added_node_gets_an_agent_and_joins_the_ring(
+    agent_plane: ControlPlane, sm: Any, client: HyperPodClient
+) -> None:
+    sm.create_cluster(
+        ClusterName="grow",
+        InstanceGroups=[
+            {
+                "InstanceGroupName": "workers",
+                "InstanceType": "ml.p5.48xlarge",
+                "InstanceCount": 1,
+                "ExecutionRole": ROLE,
+            }
+        ],
+        NodeProvisioningMode="Continuous",
+    )
+    wait_for(
+        lambda: sm.describe_cluster(ClusterName="grow")["ClusterStatus"] == "InService",
+        timeout=90,
+        what="InService",
+    )
+    (first,) = [n["InstanceId"] for n in client.list_nodes("grow")]
+    answer = sm.batch_add_cluster_nodes(
+        ClusterName="grow", NodesToAdd=[{"InstanceGroupName": "workers", "IncrementTargetCountBy": 1}]
+    )
+    (added,) = answer["Successful"]
+    current = wait_for(lambda: replaced(client, "grow", set(), 2), timeout=60, what="the added node running")
+    (new,) = set(current) - {first}
+    details = sm.describe_cluster_node(ClusterName="grow", NodeId=new)["NodeDetails"]
+    assert details["NodeLogicalId"] == added["NodeLogicalId"]
+    assert sm.describe_cluster(ClusterName="grow")["ClusterStatus"] == "InService"

@@ -13,6 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 from hyperpod_sim.api import shapes
+from hyperpod_sim.domain.add_nodes import AddNodesService
 from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from hyperpod_sim.domain.errors import UnknownOperationException
 from hyperpod_sim.domain.node_operations import NodeOperations, NodeResults
@@ -342,6 +343,19 @@ def update_cluster_software(svc: ClusterService, p: Params) -> dict[str, Any]:
     return {"ClusterArn": cluster.arn}
 
 
+def batch_add_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
+    service = AddNodesService(
+        db=svc.db,
+        clock=svc.clock,
+        ids=svc.ids,
+        region=svc.config.region,
+        max_instances=svc.config.max_instances_per_cluster,
+        on_change=svc.on_change,
+    )
+    result = service.batch_add(name=p["ClusterName"], nodes_to_add=p["NodesToAdd"])
+    return {"Successful": result.successful, "Failed": result.failed}
+
+
 # ---------------------------------------------------------------------- events
 
 
@@ -406,6 +420,7 @@ OPERATIONS: dict[str, Handler] = {
     "BatchRebootClusterNodes": batch_reboot_cluster_nodes,
     "BatchReplaceClusterNodes": batch_replace_cluster_nodes,
     "UpdateClusterSoftware": update_cluster_software,
+    "BatchAddClusterNodes": batch_add_cluster_nodes,
     "ListClusterEvents": list_cluster_events,
     "DescribeClusterEvent": describe_cluster_event,
     "AddTags": add_tags,

@@ -45,6 +45,8 @@ from hyperpod_sim.models import Cluster, Database, Node
 
 REBOOT = "Reboot"
 SOFTWARE_UPDATE = "SoftwareUpdate"
+# A node added by BatchAddClusterNodes, whose agent the reconciler is to start.
+LAUNCH = "Launch"
 # The status a node has while each restarting operation is under way.
 _RESTARTS = {REBOOT: NodeStatus.PENDING, SOFTWARE_UPDATE: NodeStatus.SYSTEM_UPDATING}
 # Statuses from which a node can be rebooted or replaced.
@@ -227,6 +229,14 @@ def carry_out_restarts(
     (``restart_pending``)."""
     outcome = Outcome()
     for node in cluster.nodes:
+        if node.pending_action == LAUNCH:
+            node.pending_action = None
+            if node.status == NodeStatus.PENDING:
+                node.ready_at = now + timedelta(seconds=ready_delay_s)
+                if provisioner.uses_agents:
+                    outcome.launches.append(node.id)
+                outcome.changed = True
+            continue
         expected = _RESTARTS.get(node.pending_action or "")
         if expected is None:
             continue
