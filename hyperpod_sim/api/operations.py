@@ -16,6 +16,7 @@ from hyperpod_sim.api import shapes
 from hyperpod_sim.domain.add_nodes import AddNodesService
 from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from hyperpod_sim.domain.errors import UnknownOperationException
+from hyperpod_sim.domain.health_checks import HealthCheckService
 from hyperpod_sim.domain.node_operations import NodeOperations, NodeResults
 from hyperpod_sim.domain.software_update import SoftwareUpdateService
 from hyperpod_sim.models import Cluster, ClusterEvent, InstanceGroup, Node
@@ -356,6 +357,12 @@ def batch_add_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
     return {"Successful": result.successful, "Failed": result.failed}
 
 
+def start_cluster_health_check(svc: ClusterService, p: Params) -> dict[str, Any]:
+    service = HealthCheckService(db=svc.db, clock=svc.clock, ids=svc.ids, on_change=svc.on_change)
+    cluster = service.start(name=p["ClusterName"], configurations=p["DeepHealthCheckConfigurations"])
+    return {"ClusterArn": cluster.arn}
+
+
 # ---------------------------------------------------------------------- events
 
 
@@ -421,6 +428,7 @@ OPERATIONS: dict[str, Handler] = {
     "BatchReplaceClusterNodes": batch_replace_cluster_nodes,
     "UpdateClusterSoftware": update_cluster_software,
     "BatchAddClusterNodes": batch_add_cluster_nodes,
+    "StartClusterHealthCheck": start_cluster_health_check,
     "ListClusterEvents": list_cluster_events,
     "DescribeClusterEvent": describe_cluster_event,
     "AddTags": add_tags,

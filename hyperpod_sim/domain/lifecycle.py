@@ -32,6 +32,8 @@ class NodeStatus(StrEnum):
     SHUTTING_DOWN = "ShuttingDown"
     # Its batch of a rolling software update: its agent stopped, its memory cleared, started again.
     SYSTEM_UPDATING = "SystemUpdating"
+    # StartClusterHealthCheck runs its deep health checks (domain/health_checks.py).
+    DEEP_HEALTH_CHECK_IN_PROGRESS = "DeepHealthCheckInProgress"
 
 
 class GroupStatus(StrEnum):
@@ -71,7 +73,17 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     # A rebooted node (BatchRebootClusterNodes) is Pending until its agent has registered again
     # and applied the current policy.
     NodeStatus.RUNNING: frozenset(
-        {NodeStatus.PENDING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN, NodeStatus.SYSTEM_UPDATING}
+        {
+            NodeStatus.PENDING,
+            NodeStatus.FAILURE,
+            NodeStatus.SHUTTING_DOWN,
+            NodeStatus.SYSTEM_UPDATING,
+            NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+        }
+    ),
+    # Running again when it passes; Failure (then replaced, with NodeRecovery: Automatic) when not.
+    NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS: frozenset(
+        {NodeStatus.RUNNING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}
     ),
     # Running again once its agent is back with the current policy; failed if it does not come back.
     NodeStatus.SYSTEM_UPDATING: frozenset({NodeStatus.RUNNING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
@@ -83,7 +95,13 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
 }
 
 # A node's statuses while it is a member of its cluster (of the replica ring, of the policy).
-LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE, NodeStatus.SYSTEM_UPDATING)
+LIVE = (
+    NodeStatus.PENDING,
+    NodeStatus.RUNNING,
+    NodeStatus.FAILURE,
+    NodeStatus.SYSTEM_UPDATING,
+    NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+)
 
 # Statuses in which the cluster accepts UpdateCluster / DeleteCluster / node deletion.
 MUTABLE = frozenset({ClusterStatus.IN_SERVICE})

@@ -22,7 +22,7 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from hyperpod_sim.domain import events, faults, node_operations, software_update
+from hyperpod_sim.domain import events, faults, health_checks, node_operations, software_update
 from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, bump_generation
@@ -149,7 +149,9 @@ class Reconciler:
         query = select(Cluster.id)
         if not self.provisioner.uses_agents:
             busy_nodes = select(Node.cluster_id).where(
-                Node.status.in_([NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN])
+                Node.status.in_(
+                    [NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN, NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS]
+                )
             )
             query = query.where(
                 or_(
@@ -225,6 +227,7 @@ class Reconciler:
             return outcome.merge(self.finish_deletion(session, cluster, now))
         outcome.merge(self.end_faults(session, cluster, now))
         outcome.merge(software_update.roll(session, cluster, now, ids=self.ids, provisioner=self.provisioner))
+        outcome.merge(health_checks.finish_health_checks(session, cluster, now, ids=self.ids))
         reboots = node_operations.carry_out_restarts(
             session,
             cluster,

@@ -140,6 +140,8 @@ class Node(Base):
     # The node operation in progress (domain/node_operations.py): Reboot (its agent stops, its
     # shared memory is cleared, it starts again on the same node) or SoftwareUpdate; None: none.
     pending_action: Mapped[str | None] = mapped_column(String(32))
+    # When the operation in progress is due (a deep health check's end).
+    action_due_at: Mapped[datetime | None]
     # The image release version the node runs (UpdateClusterSoftware), and when it last changed.
     image_version: Mapped[str | None] = mapped_column(String(64))
     last_software_update: Mapped[datetime | None]

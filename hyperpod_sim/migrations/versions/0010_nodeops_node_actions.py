@@ -24,6 +24,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('software_update', sa.JSON(), nullable=True))
     with op.batch_alter_table('nodes', schema=None) as batch_op:
         batch_op.add_column(sa.Column('pending_action', sa.String(length=32), nullable=True))
+        batch_op.add_column(sa.Column('action_due_at', hyperpod_sim.models.tables.UtcDateTime(timezone=True), nullable=True))
         batch_op.add_column(sa.Column('image_version', sa.String(length=64), nullable=True))
         batch_op.add_column(sa.Column('last_software_update', hyperpod_sim.models.tables.UtcDateTime(timezone=True), nullable=True))
 
@@ -32,6 +33,7 @@ def downgrade() -> None:
     with op.batch_alter_table('nodes', schema=None) as batch_op:
         batch_op.drop_column('last_software_update')
         batch_op.drop_column('image_version')
+        batch_op.drop_column('action_due_at')
         batch_op.drop_column('pending_action')
     with op.batch_alter_table('clusters', schema=None) as batch_op:
         batch_op.drop_column('software_update')
