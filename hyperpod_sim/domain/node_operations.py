@@ -259,6 +259,8 @@ def carry_out_restarts(
             outcome.launches.append(node.id)
             what = "its agent stopped and its shared memory was cleared; the agent is starting again"
         elif provisioner.uses_agents:
+            # Its agent, started elsewhere, stays registered; it applies the policy again.
+            node.registered_at = now
             node.acked_generation = 0
             what = (
                 "the control plane does not run its agent (external provisioning); the policy is sent again"

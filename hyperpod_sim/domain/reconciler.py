@@ -226,7 +226,16 @@ class Reconciler:
         if cluster.status == ClusterStatus.DELETING:
             return outcome.merge(self.finish_deletion(session, cluster, now))
         outcome.merge(self.end_faults(session, cluster, now))
-        outcome.merge(software_update.roll(session, cluster, now, ids=self.ids, provisioner=self.provisioner))
+        outcome.merge(
+            software_update.roll(
+                session,
+                cluster,
+                now,
+                ids=self.ids,
+                provisioner=self.provisioner,
+                launch_timeout_s=self.config.launch_timeout_s,
+            )
+        )
         outcome.merge(health_checks.finish_health_checks(session, cluster, now, ids=self.ids))
         reboots = node_operations.carry_out_restarts(
             session,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -40,6 +40,7 @@ from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.errors import ConflictException, ResourceNotFound, ValidationException
 from hyperpod_sim.domain.lifecycle import LIVE, MUTABLE, ClusterStatus, NodeStatus
 from hyperpod_sim.domain.node_operations import SOFTWARE_UPDATE
+from hyperpod_sim.domain.nodes import fail_node
 from hyperpod_sim.domain.outcome import Outcome
 from hyperpod_sim.domain.policy import ring
 from hyperpod_sim.domain.provisioning import Provisioner
@@ -195,10 +196,19 @@ def plan_batches(cluster: Cluster, nodes: Sequence[Node], size: int) -> list[lis
 # ---------------------------------------------------------------------- the reconciler's part
 
 
-def roll(session: Session, cluster: Cluster, now: datetime, *, ids: Ids, provisioner: Provisioner) -> Outcome:
+def roll(
+    session: Session,
+    cluster: Cluster,
+    now: datetime,
+    *,
+    ids: Ids,
+    provisioner: Provisioner,
+    launch_timeout_s: float = 60.0,
+) -> Outcome:
     """One reconcile phase of a SystemUpdating cluster: nodes of the current batch that are back
-    run the new release; once the batch is done (and the wait interval passed) the next batch
-    starts; after the last, the cluster is InService."""
+    run the new release (a node whose agent did not register again within ``launch_timeout_s``
+    fails, and is replaced as any failed node is); once the batch is done (and the wait interval
+    passed) the next batch starts; after the last, the cluster is InService."""
     plan = cluster.software_update
     outcome = Outcome()
     if cluster.status != ClusterStatus.SYSTEM_UPDATING or plan is None:
@@ -267,6 +277,30 @@ def _start_batch(
             "shared memory is cleared, and it starts again with the same node id.",
         )
     cluster.software_update = {**plan, "Batch": index, "DoneAt": None}
+
+
+def _give_up(
+    session: Session, cluster: Cluster, node: Node, now: datetime, launch_timeout_s: float, *, ids: Ids
+) -> bool:
+    """Fail an updating node whose restarted agent has not registered in time; whether it did."""
+    started = node.agent_restarted_at
+    if (
+        node.status != NodeStatus.SYSTEM_UPDATING
+        or node.pending_action is not None
+        or node.registered_at is not None
+        or started is None
+        or now < started + timedelta(seconds=launch_timeout_s)
+    ):
+        return False
+    fail_node(
+        session,
+        cluster,
+        node,
+        now,
+        f"its agent did not register within {launch_timeout_s:g} s of its software update",
+        ids=ids,
+    )
+    return True
 
 
 def _finish_node(
