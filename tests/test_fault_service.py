@@ -214,7 +214,7 @@ def test_s3_faults_move_the_policy_generation(plane: Plane, body: dict[str, Any]
             {"Type": "Meteor"},
             "1 validation error detected: Value 'Meteor' at 'type' failed to satisfy constraint: Member "
             "must satisfy enum value set: [AgentCrash, NodeLoss, AgentHang, NetworkPartition, S3Latency, "
-            "S3Errors, S3Outage]",
+            "S3Errors, S3Outage, DeepHealthCheckFailure]",
         ),
         (
             {"Type": "S3Outage", "InstanceId": "i-1", "DurationSeconds": 0},

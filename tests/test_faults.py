@@ -378,7 +378,8 @@ def test_validation_and_unknown_resources(agent_plane: ControlPlane, sm: Any) ->
         "__type": "ValidationException",
         "message": "1 validation error detected: Value 'Meteor' at 'type' failed to satisfy constraint: "
         "Member must satisfy enum value set: "
-        "[AgentCrash, NodeLoss, AgentHang, NetworkPartition, S3Latency, S3Errors, S3Outage]",
+        "[AgentCrash, NodeLoss, AgentHang, NetworkPartition, S3Latency, S3Errors, S3Outage, "
+        "DeepHealthCheckFailure]",
     }
     assert refused({"Type": "AgentHang", "InstanceId": node["InstanceId"]})["message"] == (
         "1 validation error detected: Value null at 'durationSeconds' failed to satisfy constraint: "

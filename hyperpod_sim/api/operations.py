@@ -21,8 +21,12 @@ from hyperpod_sim.api import (
     shapes,
 )
 from hyperpod_sim.domain import cluster_reads
+from hyperpod_sim.domain.add_nodes import AddNodesService
 from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from hyperpod_sim.domain.errors import UnknownOperationException
+from hyperpod_sim.domain.health_checks import HealthCheckService
+from hyperpod_sim.domain.node_operations import NodeOperations, NodeResults
+from hyperpod_sim.domain.software_update import SoftwareUpdateService
 from hyperpod_sim.models import Cluster, ClusterEvent, InstanceGroup, Node
 
 Params = dict[str, Any]
@@ -313,6 +317,80 @@ def batch_delete_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]
     }
 
 
+# ---------------------------------------------------------------------- node operations (nodeops)
+
+
+def _node_operations(svc: ClusterService) -> NodeOperations:
+    return NodeOperations(db=svc.db, clock=svc.clock, ids=svc.ids, on_change=svc.on_change)
+
+
+def _node_results(by_id: NodeResults, by_logical: NodeResults) -> dict[str, Any]:
+    """The output of BatchReboot/BatchReplaceClusterNodes: ``Successful`` and ``Failed`` (with
+    ``ErrorCode``), and their logical-id twins when logical ids were given."""
+    out: dict[str, Any] = {
+        "Successful": by_id.successful,
+        "Failed": [
+            {"NodeId": key, "ErrorCode": code, "Message": message} for key, code, message in by_id.failed
+        ],
+    }
+    if by_logical.successful or by_logical.failed:
+        out["SuccessfulNodeLogicalIds"] = by_logical.successful
+        out["FailedNodeLogicalIds"] = [
+            {"NodeLogicalId": key, "ErrorCode": code, "Message": message}
+            for key, code, message in by_logical.failed
+        ]
+    return out
+
+
+def batch_reboot_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
+    return _node_results(
+        *_node_operations(svc).batch_reboot(
+            name=p["ClusterName"], node_ids=p.get("NodeIds"), node_logical_ids=p.get("NodeLogicalIds")
+        )
+    )
+
+
+def batch_replace_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
+    return _node_results(
+        *_node_operations(svc).batch_replace(
+            name=p["ClusterName"], node_ids=p.get("NodeIds"), node_logical_ids=p.get("NodeLogicalIds")
+        )
+    )
+
+
+def update_cluster_software(svc: ClusterService, p: Params) -> dict[str, Any]:
+    service = SoftwareUpdateService(db=svc.db, clock=svc.clock, ids=svc.ids, on_change=svc.on_change)
+    cluster = service.update_cluster_software(
+        name=p["ClusterName"],
+        instance_groups=p.get("InstanceGroups"),
+        deployment_config=p.get("DeploymentConfig"),
+        image_id=p.get("ImageId"),
+    )
+    return {"ClusterArn": cluster.arn}
+
+
+def batch_add_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
+    service = AddNodesService(
+        db=svc.db,
+        clock=svc.clock,
+        ids=svc.ids,
+        region=svc.config.region,
+        max_instances=svc.config.max_instances_per_cluster,
+        on_change=svc.on_change,
+    )
+    result = service.batch_add(name=p["ClusterName"], nodes_to_add=p["NodesToAdd"])
+    return {"Successful": result.successful, "Failed": result.failed}
+
+
+def start_cluster_health_check(svc: ClusterService, p: Params) -> dict[str, Any]:
+    service = HealthCheckService(db=svc.db, clock=svc.clock, ids=svc.ids, on_change=svc.on_change)
+    cluster = service.start(name=p["ClusterName"], configurations=p["DeepHealthCheckConfigurations"])
+    return {"ClusterArn": cluster.arn}
+
+
+# ---------------------------------------------------------------------- events
+
+
 def _event(cluster: Cluster, event: ClusterEvent) -> dict[str, Any]:
     return {
         "EventId": event.id,
@@ -378,6 +456,12 @@ OPERATIONS: dict[str, Handler] = {
     "ListClusterNodes": list_cluster_nodes,
     "DescribeClusterNode": describe_cluster_node,
     "BatchDeleteClusterNodes": batch_delete_cluster_nodes,
+    # Node operations (nodeops: hyperpod_sim/domain/node_operations.py).
+    "BatchRebootClusterNodes": batch_reboot_cluster_nodes,
+    "BatchReplaceClusterNodes": batch_replace_cluster_nodes,
+    "UpdateClusterSoftware": update_cluster_software,
+    "BatchAddClusterNodes": batch_add_cluster_nodes,
+    "StartClusterHealthCheck": start_cluster_health_check,
     "ListClusterEvents": list_cluster_events,
     "DescribeClusterEvent": describe_cluster_event,
     "AddTags": add_tags,

@@ -71,8 +71,11 @@ from hyperpod_sim.models.db import Outage
 
 NODE_FAULTS = ("AgentCrash", "NodeLoss", "AgentHang", "NetworkPartition")
 S3_FAULTS = ("S3Latency", "S3Errors", "S3Outage")
+# Faults a node's deep health check finds (domain/health_checks.py); its agent is left alone, so they
+# work in every provisioning mode. In force until cleared or until the node is gone.
+HEALTH_FAULTS = ("DeepHealthCheckFailure",)
 # The model's FaultType enum (hyperpod_sim/contracts/extensions.json), in its order; a test holds them equal.
-FAULT_TYPES = (*NODE_FAULTS, *S3_FAULTS)
+FAULT_TYPES = (*NODE_FAULTS, *S3_FAULTS, *HEALTH_FAULTS)
 CONTROL_PLANE_FAULTS = ("DatabaseOutage",)
 DEFAULT_ERROR_KIND = "Throttle"
 # Cluster statuses in which faults are accepted: the cluster runs, whether or not a rollout is on.
@@ -138,6 +141,11 @@ def lost_nodes(cluster: Cluster) -> set[str]:
     return {f["InstanceId"] for f in active_faults(cluster) if f["Type"] == "NodeLoss"}
 
 
+def failing_health_checks(cluster: Cluster) -> set[str]:
+    """Nodes with a DeepHealthCheckFailure in force: their deep health checks fail."""
+    return {f["InstanceId"] for f in active_faults(cluster) if f["Type"] in HEALTH_FAULTS}
+
+
 def s3_fault_document(cluster: Cluster) -> dict[str, Any] | None:
     """The ``faults.s3`` member of the node policy: what the agents apply to their S3 requests."""
     fault = next((f for f in active_faults(cluster) if f["Type"] in S3_FAULTS), None)
@@ -156,7 +164,7 @@ def s3_fault_document(cluster: Cluster) -> dict[str, Any] | None:
 
 def _describe(fault: dict[str, Any]) -> str:
     kind = fault["Type"]
-    what = f"{kind} on node {fault['InstanceId']}" if kind in NODE_FAULTS else kind
+    what = f"{kind} on node {fault['InstanceId']}" if kind in (*NODE_FAULTS, *HEALTH_FAULTS) else kind
     details = []
     if "LatencyMs" in fault:
         details.append(f"{fault['LatencyMs']} ms per S3 request")
@@ -215,6 +223,9 @@ def end_due_faults(
         ends_at = fault.get("EndsAt")
         if fault["Type"] == "NodeLoss" and (node is None or node.status not in LIVE):
             state = "gone" if node is None else node.status
+            _end(session, ids=ids, now=now, cluster=cluster, fault=fault, reason=f"the node is {state}")
+        elif fault["Type"] in HEALTH_FAULTS and (node is None or node.status == NodeStatus.SHUTTING_DOWN):
+            state = "gone" if node is None else "shutting down"
             _end(session, ids=ids, now=now, cluster=cluster, fault=fault, reason=f"the node is {state}")
         elif fault["Type"] in _UNDONE and (node is None or node.status == NodeStatus.SHUTTING_DOWN):
             # A replaced or deleted node's agent was sent SIGTERM and SIGCONT by its provisioner; a
@@ -300,6 +311,9 @@ class FaultService:
             if node_fault:
                 node = self._live_node(cluster, spec, current)
                 detail = self._act_on_node(node, fault)
+            elif spec.type in HEALTH_FAULTS:
+                node = self._live_node(cluster, spec, current)
+                detail = "its deep health checks fail while it is in force (StartClusterHealthCheck)"
             else:
                 running = next((f for f in current if f["Type"] in S3_FAULTS), None)
                 if running is not None:

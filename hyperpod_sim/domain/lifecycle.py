@@ -21,6 +21,8 @@ class ClusterStatus(StrEnum):
     UPDATING = "Updating"
     DELETING = "Deleting"
     FAILED = "Failed"
+    # UpdateClusterSoftware rolls through the nodes (domain/software_update.py).
+    SYSTEM_UPDATING = "SystemUpdating"
 
 
 class NodeStatus(StrEnum):
@@ -28,6 +30,10 @@ class NodeStatus(StrEnum):
     RUNNING = "Running"
     FAILURE = "Failure"
     SHUTTING_DOWN = "ShuttingDown"
+    # Its batch of a rolling software update: its agent stopped, its memory cleared, started again.
+    SYSTEM_UPDATING = "SystemUpdating"
+    # StartClusterHealthCheck runs its deep health checks (domain/health_checks.py).
+    DEEP_HEALTH_CHECK_IN_PROGRESS = "DeepHealthCheckInProgress"
 
 
 class GroupStatus(StrEnum):
@@ -41,8 +47,11 @@ class GroupStatus(StrEnum):
 
 CLUSTER_TRANSITIONS: dict[ClusterStatus, frozenset[ClusterStatus]] = {
     ClusterStatus.CREATING: frozenset({ClusterStatus.IN_SERVICE, ClusterStatus.FAILED}),
-    ClusterStatus.IN_SERVICE: frozenset({ClusterStatus.UPDATING, ClusterStatus.DELETING}),
+    ClusterStatus.IN_SERVICE: frozenset(
+        {ClusterStatus.UPDATING, ClusterStatus.DELETING, ClusterStatus.SYSTEM_UPDATING}
+    ),
     ClusterStatus.UPDATING: frozenset({ClusterStatus.IN_SERVICE, ClusterStatus.FAILED}),
+    ClusterStatus.SYSTEM_UPDATING: frozenset({ClusterStatus.IN_SERVICE, ClusterStatus.FAILED}),
     ClusterStatus.FAILED: frozenset({ClusterStatus.DELETING}),
     # Deleting ends with the row gone.
     ClusterStatus.DELETING: frozenset(),
@@ -61,7 +70,23 @@ GROUP_TRANSITIONS: dict[GroupStatus, frozenset[GroupStatus]] = {
 
 NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     NodeStatus.PENDING: frozenset({NodeStatus.RUNNING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
-    NodeStatus.RUNNING: frozenset({NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
+    # A rebooted node (BatchRebootClusterNodes) is Pending until its agent has registered again
+    # and applied the current policy.
+    NodeStatus.RUNNING: frozenset(
+        {
+            NodeStatus.PENDING,
+            NodeStatus.FAILURE,
+            NodeStatus.SHUTTING_DOWN,
+            NodeStatus.SYSTEM_UPDATING,
+            NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+        }
+    ),
+    # Running again when it passes; Failure (then replaced, with NodeRecovery: Automatic) when not.
+    NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS: frozenset(
+        {NodeStatus.RUNNING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}
+    ),
+    # Running again once its agent is back with the current policy; failed if it does not come back.
+    NodeStatus.SYSTEM_UPDATING: frozenset({NodeStatus.RUNNING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}),
     # A failed node whose agent registers or heartbeats again is Pending until it has the policy;
     # one that is replaced (NodeRecovery: Automatic) or deleted shuts down.
     NodeStatus.FAILURE: frozenset({NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN}),
@@ -70,7 +95,13 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
 }
 
 # A node's statuses while it is a member of its cluster (of the replica ring, of the policy).
-LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
+LIVE = (
+    NodeStatus.PENDING,
+    NodeStatus.RUNNING,
+    NodeStatus.FAILURE,
+    NodeStatus.SYSTEM_UPDATING,
+    NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+)
 
 # Statuses in which the cluster accepts UpdateCluster / DeleteCluster / node deletion.
 MUTABLE = frozenset({ClusterStatus.IN_SERVICE})

@@ -43,7 +43,12 @@ class NodeHealth:
         if not self.restart_agents:
             return outcome
         candidates = [
-            n for n in cluster.nodes if n.status in (NodeStatus.PENDING, NodeStatus.RUNNING) and n.endpoint
+            n
+            for n in cluster.nodes
+            # A node being rebooted has its agent stopped on purpose (domain/node_operations.py).
+            if n.status in (NodeStatus.PENDING, NodeStatus.RUNNING)
+            and n.endpoint
+            and n.pending_action is None
         ]
         exited = self.provisioner.exited_agents([n.id for n in candidates])
         if exited is None:

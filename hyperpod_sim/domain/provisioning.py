@@ -47,6 +47,14 @@ class Provisioner(Protocol):
         """Whether a ShuttingDown node's agent is gone, so that its row (and, once every node's is,
         a deleted cluster's) can go too."""
 
+    def stop_agent(self, node: Node) -> None:
+        """Stop the agent of a node that stays (a reboot, a software update): SIGTERM once (it
+        drains to S3), SIGKILL after the grace period; its shared memory stays until
+        ``wipe_memory``. Idempotent; ``has_stopped`` tells when it is gone."""
+
+    def wipe_memory(self, node: Node) -> None:
+        """Clear the node's shared memory (a reboot: the shards it held are gone)."""
+
     def adopt_agents(self, *, live: Collection[str], unregistered: Collection[str] = ()) -> set[str] | None:
         """At the control plane's start: of the ``live`` nodes (Pending or Running), those whose
         agent process still runs (left by a control plane that was killed: adopted as they are;
@@ -101,6 +109,12 @@ class _NoProcesses:
         return None
 
     def adopt_agents(self, *, live: Collection[str], unregistered: Collection[str] = ()) -> set[str] | None:
+        return None
+
+    def stop_agent(self, node: Node) -> None:
+        return None
+
+    def wipe_memory(self, node: Node) -> None:
         return None
 
     def stop_agents(self, *, hurry: threading.Event | None = None) -> list[str]:

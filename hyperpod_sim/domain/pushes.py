@@ -59,7 +59,13 @@ def claim_pushes(cluster: Cluster, now: datetime, config: PushConfig) -> Outcome
     lease = timedelta(seconds=config.timeout_s * 2)
     for node in cluster.nodes:
         if (
-            node.status not in (NodeStatus.PENDING, NodeStatus.RUNNING)
+            node.status
+            not in (
+                NodeStatus.PENDING,
+                NodeStatus.RUNNING,
+                NodeStatus.SYSTEM_UPDATING,
+                NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+            )
             or node.endpoint is None
             or node.push_token is None  # no agent registered with this control plane's tokens
             or node.acked_generation >= cluster.generation

@@ -22,7 +22,7 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from hyperpod_sim.domain import events, faults, operations
+from hyperpod_sim.domain import events, faults, health_checks, node_operations, operations, software_update
 from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, bump_generation
@@ -149,12 +149,19 @@ class Reconciler:
         query = select(Cluster.id)
         if not self.provisioner.uses_agents:
             busy_nodes = select(Node.cluster_id).where(
-                Node.status.in_([NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN])
+                Node.status.in_(
+                    [NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN, NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS]
+                )
             )
             query = query.where(
                 or_(
                     Cluster.status.in_(
-                        [ClusterStatus.CREATING, ClusterStatus.UPDATING, ClusterStatus.DELETING]
+                        [
+                            ClusterStatus.CREATING,
+                            ClusterStatus.UPDATING,
+                            ClusterStatus.DELETING,
+                            ClusterStatus.SYSTEM_UPDATING,
+                        ]
                     ),
                     Cluster.id.in_(busy_nodes),
                 )
@@ -219,6 +226,26 @@ class Reconciler:
         if cluster.status == ClusterStatus.DELETING:
             return outcome.merge(self.finish_deletion(session, cluster, now))
         outcome.merge(self.end_faults(session, cluster, now))
+        outcome.merge(
+            software_update.roll(
+                session,
+                cluster,
+                now,
+                ids=self.ids,
+                provisioner=self.provisioner,
+                launch_timeout_s=self.config.launch_timeout_s,
+            )
+        )
+        outcome.merge(health_checks.finish_health_checks(session, cluster, now, ids=self.ids))
+        reboots = node_operations.carry_out_restarts(
+            session,
+            cluster,
+            now,
+            ids=self.ids,
+            provisioner=self.provisioner,
+            ready_delay_s=self.config.node_ready_delay_s,
+        )
+        outcome.merge(reboots)
         if self.provisioner.uses_agents:
             restarts = self.health.restart_crashed_agents(session, cluster, now)
             outcome.merge(restarts)
@@ -228,7 +255,7 @@ class Reconciler:
                     cluster,
                     now,
                     back=self._back_since(),
-                    restart_pending=restarts.restart_pending,
+                    restart_pending=restarts.restart_pending | reboots.restart_pending,
                     started_again_and_silent=self._started_again_and_silent,
                 )
             )

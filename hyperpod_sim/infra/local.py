@@ -145,6 +145,17 @@ class LocalProvisioner:
     def has_stopped(self, node: Node) -> bool:
         return self._running(node.id) is None
 
+    def stop_agent(self, node: Node) -> None:
+        """Stop the agent of a node that stays (a reboot): one SIGTERM (and SIGCONT, should it be
+        hung), SIGKILL by ``reap`` after the grace period; its shared memory stays."""
+        agent = self._running(node.id)
+        if agent is not None and node.id not in self._stopping and signal_group(agent.pid, signal.SIGTERM):
+            signal_group(agent.pid, signal.SIGCONT)
+            self._stopping[node.id] = time.monotonic()
+
+    def wipe_memory(self, node: Node) -> None:
+        wipe_shared_memory(self.shm_dir(node.id))
+
     def is_ready(self, node: Node, now: datetime) -> bool:
         return False
 

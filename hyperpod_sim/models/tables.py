@@ -60,6 +60,9 @@ class Cluster(Base):
     checkpoint_policy: Mapped[dict[str, Any] | None]
     # Injected faults still in force (hyperpod_sim/domain/faults.py), in their wire shape; None: none ever.
     faults: Mapped[list[Any] | None]
+    # The rolling software update in progress (UpdateClusterSoftware, domain/software_update.py):
+    # its batches of node ids, the batch being updated, when the next may start; None: none.
+    software_update: Mapped[dict[str, Any] | None]
     # Agent <-> control plane secrets (docs/agent-protocol.md).
     token: Mapped[str] = mapped_column(String(64))
     bootstrap_token: Mapped[str] = mapped_column(String(64))
@@ -136,6 +139,14 @@ class Node(Base):
     launch_secret_hash: Mapped[str | None] = mapped_column(String(64))
     token_hash: Mapped[str | None] = mapped_column(String(64), index=True)
     push_token: Mapped[str | None] = mapped_column(String(64))
+    # The node operation in progress (domain/node_operations.py): Reboot (its agent stops, its
+    # shared memory is cleared, it starts again on the same node) or SoftwareUpdate; None: none.
+    pending_action: Mapped[str | None] = mapped_column(String(32))
+    # When the operation in progress is due (a deep health check's end).
+    action_due_at: Mapped[datetime | None]
+    # The image release version the node runs (UpdateClusterSoftware), and when it last changed.
+    image_version: Mapped[str | None] = mapped_column(String(64))
+    last_software_update: Mapped[datetime | None]
 
     cluster: Mapped[Cluster] = relationship(back_populates="nodes")
 

@@ -333,7 +333,8 @@ def test_an_echoed_value_is_cut_with_an_ellipsis(raw_sm: Any) -> None:
             "Type",
             "type",
             "Member must satisfy enum value set: "
-            "[AgentCrash, NodeLoss, AgentHang, NetworkPartition, S3Latency, S3Errors, S3Outage]",
+            "[AgentCrash, NodeLoss, AgentHang, NetworkPartition, S3Latency, S3Errors, S3Outage, "
+            "DeepHealthCheckFailure]",
         ),
     ],
 )

@@ -1,0 +1,285 @@
+"""Node operations: BatchRebootClusterNodes and BatchReplaceClusterNodes, and the reconciler's
+part of a reboot.
+
+What HyperPod documents (botocore's SageMaker model, 1.44.x), and what it means here:
+
+- **Reboot** is a "soft recovery": EC2 ``RebootInstances``, which shuts the operating system down
+  cleanly and starts it again. The instance, and its id, stay. Here the node's agent is stopped
+  gracefully (SIGTERM: it drains the steps it has not persisted to S3 yet; SIGKILL after the
+  provisioner's grace period), the node's shared memory is cleared (a reboot empties CPU memory),
+  and the agent starts again on the same node, with the same node id and slot: the job finds its
+  shards again on the node's replica peer, or on S3. The node is ``Pending`` from the request
+  until its agent has registered again and applied the current policy, then ``Running`` (the
+  model's instance statuses have no rebooting one).
+- **Replace** "terminates the specified instances and provisions new replacement instances with
+  the same configuration but fresh hardware", and "destroys all instance volumes". A new EC2
+  instance has a new instance id, so the replacement gets a new node id (and a new private IP and
+  logical id), as an automatic replacement does (hyperpod_sim/domain/node_health.py); it takes the
+  replaced node's slot in its group, so the replica ring keeps its order. The replaced node shuts
+  down as a deleted one does (its agent drains to S3 first; then its shared memory and data
+  directory go), and the group's target count stays.
+
+Per-node failures are answered in the model's shape (``Failed`` / ``FailedNodeLogicalIds`` with
+the model's ``ErrorCode`` values), the rest of the batch goes on; a cluster that does not exist
+is ``ResourceNotFound`` (the only error the model lists). ``NodeLogicalIds`` are accepted only on
+a cluster with ``NodeProvisioningMode: Continuous``, as the model says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from hyperpod_sim.domain import credentials, events, faults
+from hyperpod_sim.domain.clock import Clock, Ids
+from hyperpod_sim.domain.errors import ResourceNotFound, ValidationException
+from hyperpod_sim.domain.events import Level
+from hyperpod_sim.domain.lifecycle import MUTABLE, NodeStatus, bump_generation
+from hyperpod_sim.domain.outcome import Outcome
+from hyperpod_sim.domain.provisioning import Provisioner
+from hyperpod_sim.models import Cluster, Database, Node
+
+REBOOT = "Reboot"
+SOFTWARE_UPDATE = "SoftwareUpdate"
+# A node added by BatchAddClusterNodes, whose agent the reconciler is to start.
+LAUNCH = "Launch"
+# The status a node has while each restarting operation is under way.
+_RESTARTS = {REBOOT: NodeStatus.PENDING, SOFTWARE_UPDATE: NodeStatus.SYSTEM_UPDATING}
+# Statuses from which a node can be rebooted or replaced.
+ACTIONABLE = (NodeStatus.RUNNING, NodeStatus.FAILURE)
+
+
+@dataclass
+class NodeResults:
+    """What a batch operation did to the nodes named one way (ids or logical ids)."""
+
+    successful: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str, str]] = field(default_factory=list)  # (key, error code, message)
+
+
+Act = Callable[[Session, Cluster, Node, datetime], None]
+
+
+class NodeOperations:
+    """The API side of node operations. Keyword-only arguments; raise AwsError subclasses; no HTTP."""
+
+    def __init__(
+        self, *, db: Database, clock: Clock, ids: Ids, on_change: Callable[[], None] = lambda: None
+    ) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+        self.on_change = on_change
+
+    def batch_reboot(
+        self, *, name: str, node_ids: list[str] | None = None, node_logical_ids: list[str] | None = None
+    ) -> tuple[NodeResults, NodeResults]:
+        """Reboot nodes: each is Pending until its agent, stopped and started again by the
+        reconciler (``carry_out_reboots``), is back with the current policy."""
+        return self._batch(name, node_ids, node_logical_ids, verb="rebooted", act=self._reboot)
+
+    def batch_replace(
+        self, *, name: str, node_ids: list[str] | None = None, node_logical_ids: list[str] | None = None
+    ) -> tuple[NodeResults, NodeResults]:
+        """Replace nodes: each shuts down, and the reconciler launches a new one in its slot."""
+        return self._batch(name, node_ids, node_logical_ids, verb="replaced", act=self._replace)
+
+    # ------------------------------------------------------------------ the batch
+
+    def _batch(
+        self,
+        name: str,
+        node_ids: list[str] | None,
+        node_logical_ids: list[str] | None,
+        *,
+        verb: str,
+        act: Act,
+    ) -> tuple[NodeResults, NodeResults]:
+        if not node_ids and not node_logical_ids:
+            raise ValidationException("Specify NodeIds or NodeLogicalIds (or both).")
+        by_id, by_logical = NodeResults(), NodeResults()
+        replaced = False
+        with self.db.write() as session:
+            cluster = self._cluster(session, name)
+            if node_logical_ids and cluster.extra.get("NodeProvisioningMode") != "Continuous":
+                raise ValidationException(
+                    f"NodeLogicalIds are supported only for clusters whose NodeProvisioningMode is "
+                    f"Continuous; cluster '{cluster.name}' is not: use NodeIds."
+                )
+            now = self.clock.now()
+            for wanted, attr, result in (
+                (node_ids or [], "id", by_id),
+                (node_logical_ids or [], "logical_id", by_logical),
+            ):
+                index = {getattr(n, attr): n for n in cluster.nodes}
+                for key in dict.fromkeys(wanted):
+                    node = index.get(key)
+                    refusal = _refusal(cluster, node, key, verb)
+                    if refusal is not None:
+                        result.failed.append((key, *refusal))
+                        continue
+                    assert node is not None
+                    act(session, cluster, node, now)
+                    replaced |= verb == "replaced"
+                    result.successful.append(key)
+            if replaced:
+                bump_generation(cluster)  # the replica ring changed
+        self.on_change()
+        return by_id, by_logical
+
+    @staticmethod
+    def _cluster(session: Session, name: str) -> Cluster:
+        column = Cluster.arn if name.startswith("arn:") else Cluster.name
+        query = (
+            select(Cluster)
+            .where(column == name)
+            .options(selectinload(Cluster.nodes), selectinload(Cluster.instance_groups))
+            .with_for_update()
+        )
+        cluster = session.scalars(query).one_or_none()
+        if cluster is None:
+            raise ResourceNotFound(f"Cluster '{name}' does not exist.")
+        return cluster
+
+    # ------------------------------------------------------------------ per node
+
+    def _reboot(self, session: Session, cluster: Cluster, node: Node, now: datetime) -> None:
+        node.pending_action = REBOOT
+        node.status_message = "Rebooting (BatchRebootClusterNodes)."
+        # Not Running again before its agent has registered anew (hyperpod_sim/domain/reconciler.py).
+        node.registered_at = None
+        events.move(
+            session,
+            node,
+            NodeStatus.PENDING,
+            ids=self.ids,
+            now=now,
+            cluster=cluster,
+            description=f"Node {node.id} is rebooting (BatchRebootClusterNodes): its agent stops (after "
+            "persisting its unpersisted steps to S3), its shared memory is cleared, and it starts again "
+            "with the same node id.",
+        )
+
+    def _replace(self, session: Session, cluster: Cluster, node: Node, now: datetime) -> None:
+        node.status_message = "Replaced (BatchReplaceClusterNodes)."
+        events.move(
+            session,
+            node,
+            NodeStatus.SHUTTING_DOWN,
+            ids=self.ids,
+            now=now,
+            cluster=cluster,
+            level=Level.WARN,
+            description=f"Node {node.id} is being replaced (BatchReplaceClusterNodes): it shuts down (its "
+            "agent persists its unpersisted steps to S3 first) and a new instance on fresh hardware, with "
+            f"a new node id, takes its slot in group {node.group_name}; its memory and volumes are gone.",
+        )
+        # Its credentials die with it: the replacement registers with a secret of its own.
+        credentials.revoke(node)
+
+
+def _refusal(cluster: Cluster, node: Node | None, key: str, verb: str) -> tuple[str, str] | None:
+    """Why ``node`` (named ``key``) cannot be rebooted or replaced now, as (error code, message)."""
+    if node is None:
+        return "InstanceIdNotFound", f"Node {key} is not part of cluster '{cluster.name}'."
+    if cluster.status not in MUTABLE:
+        return (
+            "InvalidInstanceStatus",
+            f"Cluster '{cluster.name}' is {cluster.status}; nodes can be {verb} only while it is InService.",
+        )
+    if node.pending_action is not None:
+        return (
+            "InstanceIdInUse",
+            f"Node {node.id} has an operation in progress ({node.pending_action}); wait for it to complete "
+            "before retrying.",
+        )
+    if node.status not in ACTIONABLE:
+        return (
+            "InvalidInstanceStatus",
+            f"Node {node.id} is {node.status}; only a Running or Failure node can be {verb}.",
+        )
+    if verb == "rebooted" and node.id in faults.lost_nodes(cluster):
+        return (
+            "InvalidInstanceStatus",
+            f"Node {node.id} was lost (a NodeLoss fault is in force); it cannot be rebooted, only replaced.",
+        )
+    return None
+
+
+# ---------------------------------------------------------------------- the reconciler's part
+
+
+def carry_out_restarts(
+    session: Session,
+    cluster: Cluster,
+    now: datetime,
+    *,
+    ids: Ids,
+    provisioner: Provisioner,
+    ready_delay_s: float,
+) -> Outcome:
+    """One reconcile phase: the agent of each node being rebooted (or updated, in its batch of a
+    rolling software update) is stopped gracefully (it drains to S3); once it is gone, the node's
+    shared memory is cleared and its agent started again, as a new process that registers with a
+    new launch secret. Until then the node is not failed for its agent's silence
+    (``restart_pending``)."""
+    outcome = Outcome()
+    for node in cluster.nodes:
+        if node.pending_action == LAUNCH:
+            node.pending_action = None
+            if node.status == NodeStatus.PENDING:
+                node.ready_at = now + timedelta(seconds=ready_delay_s)
+                if provisioner.uses_agents:
+                    outcome.launches.append(node.id)
+                outcome.changed = True
+            continue
+        expected = _RESTARTS.get(node.pending_action or "")
+        if expected is None:
+            continue
+        if node.status != expected:  # deleted or failed meanwhile
+            node.pending_action = None
+            continue
+        outcome.restart_pending.add(node.id)
+        if provisioner.owns_agents:
+            provisioner.stop_agent(node)
+            if not provisioner.has_stopped(node):
+                outcome.converged = False  # looked at again on the next tick
+                continue
+            provisioner.wipe_memory(node)
+            # The agent registers again (with a new launch secret) and applies the policy anew; it
+            # has the launch timeout to do so, counted from now.
+            node.endpoint = None
+            node.acked_generation = 0
+            node.agent_restarted_at = now
+            node.last_heartbeat = node.last_heartbeat or now
+            outcome.launches.append(node.id)
+            what = "its agent stopped and its shared memory was cleared; the agent is starting again"
+        elif provisioner.uses_agents:
+            # Its agent, started elsewhere, stays registered; it applies the policy again.
+            node.registered_at = now
+            node.acked_generation = 0
+            what = (
+                "the control plane does not run its agent (external provisioning); the policy is sent again"
+            )
+        else:
+            node.ready_at = now + timedelta(seconds=ready_delay_s)
+            what = "it is Running again after the launch delay"
+        action = node.pending_action
+        node.pending_action = None
+        if action == REBOOT:
+            node.status_message = None
+        events.record(
+            session,
+            ids=ids,
+            now=now,
+            cluster=cluster,
+            node=node,
+            description=f"Node {node.id} {'rebooted' if action == REBOOT else 'restarted for its update'}: "
+            f"{what}.",
+        )
+        outcome.changed = True
+    return outcome

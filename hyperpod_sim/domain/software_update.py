@@ -1,0 +1,339 @@
+"""UpdateClusterSoftware: a rolling update of the nodes' image, batch by batch.
+
+What HyperPod documents (botocore's SageMaker model, 1.44.x; the developer guide's "Update the
+SageMaker HyperPod platform software of a cluster"), and what it means here:
+
+- The cluster is ``SystemUpdating`` while the update rolls, ``InService`` again once every node
+  runs the new image release. Each node of the batch being updated is ``SystemUpdating``: its
+  agent is stopped gracefully (it drains its unpersisted steps to S3), its shared memory is cleared
+  (the update restarts the instance, and replaces its root volume), and its agent starts again on
+  the same node, with the same node id; it is ``Running`` again once the agent has registered and
+  applied the current policy, on the new ``ImageReleaseVersion`` (``InstanceGroups[].
+  ImageReleaseVersion``, or ``LATEST_RELEASE`` for the groups named without one, or for every group
+  when none is named). ``ImageId`` is stored as the groups' image.
+- ``DeploymentConfig.RollingUpdatePolicy.MaximumBatchSize``: at most that many nodes at a time
+  (``INSTANCE_COUNT``: the value; ``CAPACITY_PERCENTAGE``: that share of the nodes being updated,
+  at least 1). Without a ``DeploymentConfig`` every node is in one batch, as far as the rule below
+  allows. ``WaitIntervalInSeconds``: the wait after a batch is done before the next one starts.
+- ``AutoRollbackConfiguration`` names CloudWatch alarms; there is no CloudWatch here, so they are
+  stored, said so in the update's event, and never fire: no update rolls back (the cluster status
+  ``RollingBack``, and ``RollbackMaximumBatchSize``, are never used).
+- What hyperpod-sim adds: a batch never holds a node and one of its replica peers (the nodes next
+  to it in the replica ring, hyperpod_sim/domain/policy.py) when that can be avoided, so the copy
+  of a node's checkpoints on its peer survives the node's update. HyperPod itself does not say how
+  it picks a batch. Batches may be smaller than ``MaximumBatchSize`` for it, never larger.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from hyperpod_sim.domain import events
+from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
+from hyperpod_sim.domain.clock import Clock, Ids
+from hyperpod_sim.domain.errors import ConflictException, ResourceNotFound, ValidationException
+from hyperpod_sim.domain.lifecycle import LIVE, MUTABLE, ClusterStatus, NodeStatus
+from hyperpod_sim.domain.node_operations import SOFTWARE_UPDATE
+from hyperpod_sim.domain.nodes import fail_node
+from hyperpod_sim.domain.outcome import Outcome
+from hyperpod_sim.domain.policy import ring
+from hyperpod_sim.domain.provisioning import Provisioner
+from hyperpod_sim.models import Cluster, Database, Node
+
+# The image release a node runs from its launch, and the one an update without a version installs.
+INITIAL_RELEASE = "1.0.0"
+LATEST_RELEASE = "1.1.0"
+
+
+def image_release(node: Node) -> str:
+    """The image release version the node runs."""
+    return node.image_version or INITIAL_RELEASE
+
+
+class SoftwareUpdateService:
+    """Start a rolling update. Keyword-only arguments; raise AwsError subclasses; no HTTP."""
+
+    def __init__(
+        self, *, db: Database, clock: Clock, ids: Ids, on_change: Callable[[], None] = lambda: None
+    ) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+        self.on_change = on_change
+
+    def update_cluster_software(
+        self,
+        *,
+        name: str,
+        instance_groups: list[dict[str, Any]] | None = None,
+        deployment_config: dict[str, Any] | None = None,
+        image_id: str | None = None,
+    ) -> Cluster:
+        now = self.clock.now()
+        with self.db.write() as session:
+            cluster = _cluster(session, name)
+            if cluster.status not in MUTABLE:
+                raise ConflictException(
+                    f"Cluster '{cluster.name}' is {cluster.status}; UpdateClusterSoftware is accepted only "
+                    "while the cluster is InService."
+                )
+            versions = _versions(cluster, instance_groups)
+            nodes = [n for n in cluster.nodes if n.group_name in versions and n.status in LIVE]
+            batches = plan_batches(cluster, nodes, batch_size(deployment_config, len(nodes)))
+            rolling = (deployment_config or {}).get("RollingUpdatePolicy") or {}
+            alarms = [
+                a["AlarmName"] for a in (deployment_config or {}).get("AutoRollbackConfiguration") or []
+            ]
+            cluster.software_update = {
+                "Versions": versions,
+                "Batches": batches,
+                "Batch": -1,  # none started yet
+                "WaitIntervalInSeconds": (deployment_config or {}).get("WaitIntervalInSeconds", 0),
+                "NextBatchAt": now.timestamp(),
+                "MaximumBatchSize": rolling.get("MaximumBatchSize"),
+                "Alarms": alarms,
+            }
+            if image_id is not None:
+                for group in cluster.instance_groups:
+                    if group.name in versions:
+                        group.spec = {**group.spec, "ImageId": image_id}
+            cluster.updated_time = now
+            described = ", ".join(f"{group} to {version}" for group, version in versions.items())
+            alarm_note = (
+                f"; rollback alarms {', '.join(alarms)} are not monitored (no CloudWatch here)"
+                if alarms
+                else ""
+            )
+            events.move(
+                session,
+                cluster,
+                ClusterStatus.SYSTEM_UPDATING,
+                ids=self.ids,
+                now=now,
+                description=f"Software update started: {described}; {len(nodes)} nodes in {len(batches)} "
+                f"batches{alarm_note}.",
+            )
+        self.on_change()
+        return cluster
+
+
+def _cluster(session: Session, name: str) -> Cluster:
+    column = Cluster.arn if name.startswith("arn:") else Cluster.name
+    query = (
+        select(Cluster)
+        .where(column == name)
+        .options(selectinload(Cluster.nodes), selectinload(Cluster.instance_groups))
+        .with_for_update()
+    )
+    cluster = session.scalars(query).one_or_none()
+    if cluster is None:
+        raise ResourceNotFound(f"Cluster '{name}' does not exist.")
+    return cluster
+
+
+def _versions(cluster: Cluster, instance_groups: list[dict[str, Any]] | None) -> dict[str, str]:
+    """Group name -> the image release it is updated to."""
+    known = [g.name for g in cluster.instance_groups]
+    if not instance_groups:
+        return {name: LATEST_RELEASE for name in known}
+    versions: dict[str, str] = {}
+    for spec in instance_groups:
+        group = spec["InstanceGroupName"]
+        if group not in known:
+            raise ValidationException(
+                f"Instance group '{group}' does not exist in cluster '{cluster.name}'; its groups are "
+                f"{', '.join(known)}."
+            )
+        if group in versions:
+            raise ValidationException(f"Instance group '{group}' appears more than once in InstanceGroups.")
+        versions[group] = spec.get("ImageReleaseVersion") or LATEST_RELEASE
+    return versions
+
+
+def batch_size(deployment_config: dict[str, Any] | None, count: int) -> int:
+    """How many nodes a batch may hold at most."""
+    rolling = (deployment_config or {}).get("RollingUpdatePolicy")
+    if not rolling:
+        return max(count, 1)
+    size = rolling["MaximumBatchSize"]
+    if size["Type"] == "CAPACITY_PERCENTAGE":
+        return max(1, math.floor(count * int(size["Value"]) / 100))
+    return int(size["Value"])
+
+
+def plan_batches(cluster: Cluster, nodes: Sequence[Node], size: int) -> list[list[str]]:
+    """``nodes`` in batches of at most ``size``, in ring order, none holding a node and one of its
+    replica peers while another batch can take it."""
+    members = ring(cluster, [n for n in cluster.nodes if n.status in LIVE])
+    position = {n.id: i for i, n in enumerate(members)}
+    neighbours: dict[str, set[str]] = {}
+    if len(members) > 1 and (cluster.tiered_storage or {}).get("Mode") == "Enable":
+        factor = min(
+            CheckpointPolicy.from_stored(cluster.checkpoint_policy).replication_factor, len(members) - 1
+        )
+        for i, node in enumerate(members):
+            # Its peers (the next ``factor`` in the ring) and the nodes it is a peer of.
+            for step in [*range(1, factor + 1), *range(-factor, 0)]:
+                neighbours.setdefault(node.id, set()).add(members[(i + step) % len(members)].id)
+    todo = sorted((n.id for n in nodes), key=lambda node_id: position.get(node_id, len(position)))
+    batches: list[list[str]] = []
+    while todo:
+        batch: list[str] = []
+        for node_id in todo:
+            if len(batch) < size and not neighbours.get(node_id, set()) & set(batch):
+                batch.append(node_id)
+        batches.append(batch)
+        todo = [n for n in todo if n not in batch]
+    return batches
+
+
+# ---------------------------------------------------------------------- the reconciler's part
+
+
+def roll(
+    session: Session,
+    cluster: Cluster,
+    now: datetime,
+    *,
+    ids: Ids,
+    provisioner: Provisioner,
+    launch_timeout_s: float = 60.0,
+) -> Outcome:
+    """One reconcile phase of a SystemUpdating cluster: nodes of the current batch that are back
+    run the new release (a node whose agent did not register again within ``launch_timeout_s``
+    fails, and is replaced as any failed node is); once the batch is done (and the wait interval
+    passed) the next batch starts; after the last, the cluster is InService."""
+    plan = cluster.software_update
+    outcome = Outcome()
+    if cluster.status != ClusterStatus.SYSTEM_UPDATING or plan is None:
+        return outcome
+    nodes = {n.id: n for n in cluster.nodes}
+    index = plan["Batch"]
+    if index >= 0:
+        batch = [nodes[n] for n in plan["Batches"][index] if n in nodes]
+        for node in batch:
+            outcome.changed |= _finish_node(
+                session, cluster, node, now, plan, ids=ids, provisioner=provisioner
+            )
+        if any(n.status == NodeStatus.SYSTEM_UPDATING for n in batch):
+            return outcome
+        if plan.get("DoneAt") is None:  # the batch is done now: the wait interval starts
+            wait = plan["WaitIntervalInSeconds"]
+            plan = {**plan, "DoneAt": now.timestamp(), "NextBatchAt": now.timestamp() + wait}
+            cluster.software_update = plan
+            outcome.changed = True
+    if index + 1 >= len(plan["Batches"]):
+        cluster.software_update = None
+        cluster.updated_time = now
+        events.move(
+            session,
+            cluster,
+            ClusterStatus.IN_SERVICE,
+            ids=ids,
+            now=now,
+            description=f"Software update finished: {len(plan['Batches'])} batches updated.",
+        )
+        return Outcome(changed=True)
+    due = datetime.fromtimestamp(plan["NextBatchAt"], tz=UTC)
+    if now < due:
+        outcome.note_due(due)
+        return outcome
+    _start_batch(session, cluster, now, plan, index + 1, nodes, ids=ids)
+    outcome.changed = outcome.again = True
+    return outcome
+
+
+def _start_batch(
+    session: Session,
+    cluster: Cluster,
+    now: datetime,
+    plan: dict[str, Any],
+    index: int,
+    nodes: dict[str, Node],
+    *,
+    ids: Ids,
+) -> None:
+    batch = [nodes[n] for n in plan["Batches"][index] if n in nodes and nodes[n].status == NodeStatus.RUNNING]
+    for node in batch:
+        node.pending_action = SOFTWARE_UPDATE
+        node.registered_at = None  # Running again once its new agent registered and applied the policy
+        version = plan["Versions"][node.group_name]
+        node.status_message = f"Updating to image release {version}."
+        events.move(
+            session,
+            node,
+            NodeStatus.SYSTEM_UPDATING,
+            ids=ids,
+            now=now,
+            cluster=cluster,
+            description=f"Node {node.id} is updating to image release {version} (batch {index + 1} of "
+            f"{len(plan['Batches'])}): its agent stops (after persisting its unpersisted steps to S3), its "
+            "shared memory is cleared, and it starts again with the same node id.",
+        )
+    cluster.software_update = {**plan, "Batch": index, "DoneAt": None}
+
+
+def _give_up(
+    session: Session, cluster: Cluster, node: Node, now: datetime, launch_timeout_s: float, *, ids: Ids
+) -> bool:
+    """Fail an updating node whose restarted agent has not registered in time; whether it did."""
+    started = node.agent_restarted_at
+    if (
+        node.status != NodeStatus.SYSTEM_UPDATING
+        or node.pending_action is not None
+        or node.registered_at is not None
+        or started is None
+        or now < started + timedelta(seconds=launch_timeout_s)
+    ):
+        return False
+    fail_node(
+        session,
+        cluster,
+        node,
+        now,
+        f"its agent did not register within {launch_timeout_s:g} s of its software update",
+        ids=ids,
+    )
+    return True
+
+
+def _finish_node(
+    session: Session,
+    cluster: Cluster,
+    node: Node,
+    now: datetime,
+    plan: dict[str, Any],
+    *,
+    ids: Ids,
+    provisioner: Provisioner,
+) -> bool:
+    """A SystemUpdating node whose agent is back (or, without agents, whose launch delay passed)
+    runs the new release; whether it did."""
+    if node.status != NodeStatus.SYSTEM_UPDATING or node.pending_action is not None:
+        return False
+    if provisioner.uses_agents:
+        back = node.registered_at is not None and node.acked_generation >= cluster.generation
+    else:
+        back = provisioner.is_ready(node, now)
+    if not back:
+        return False
+    version = plan["Versions"][node.group_name]
+    node.image_version = version
+    node.last_software_update = now
+    node.status_message = None
+    events.move(
+        session,
+        node,
+        NodeStatus.RUNNING,
+        ids=ids,
+        now=now,
+        cluster=cluster,
+        description=f"Node {node.id} is Running on image release {version}.",
+    )
+    return True

@@ -1,0 +1,175 @@
+"""UpdateClusterSoftware through boto3, on simulated nodes on the manual clock: batches, their
+size, the wait between them, replica peers kept apart, statuses, image versions, validation (the
+agents' side: tests/test_resilience_nodeops.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+
+from hyperpod_sim.domain.software_update import INITIAL_RELEASE, LATEST_RELEASE
+from hyperpod_sim.models import Node
+from tests.conftest import EKS, ControlPlane, group, wait_for
+from tests.test_node_operations import statuses
+from tests.test_semantics import error_of, in_service
+
+TIERED = {
+    "Orchestrator": EKS,
+    "TieredStorageConfig": {"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20},
+}
+
+
+def by_count(count: int, **extra: Any) -> dict[str, Any]:
+    return {"RollingUpdatePolicy": {"MaximumBatchSize": {"Type": "INSTANCE_COUNT", "Value": count}}, **extra}
+
+
+def releases(cp: ControlPlane, name: str) -> dict[str, str | None]:
+    with cp.services.db.read() as session:
+        return {n.id: n.image_version for n in session.scalars(select(Node).where(Node.group_name == name))}
+
+
+def ring_order(cp: ControlPlane) -> list[str]:
+    with cp.services.db.read() as session:
+        return [n.id for n in session.scalars(select(Node).order_by(Node.slot))]
+
+
+def batches_seen(cp: ControlPlane, sm: Any, name: str) -> list[list[str]]:
+    """Advance the clock until the update is over; the sets of nodes seen SystemUpdating together."""
+    seen: list[list[str]] = []
+
+    def over() -> bool:
+        updating = sorted(n for n, status in statuses(sm, name).items() if status == "SystemUpdating")
+        if updating and (not seen or seen[-1] != updating):
+            seen.append(updating)
+        if sm.describe_cluster(ClusterName=name)["ClusterStatus"] == "InService":
+            return True
+        cp.advance(30)
+        return False
+
+    wait_for(over, timeout=60, what=f"the software update of {name}")
+    return seen
+
+
+def test_rolls_batch_by_batch(control_plane: ControlPlane, sm: Any) -> None:
+    in_service(control_plane, sm, "roll", group(count=4))
+    sm.update_cluster_software(ClusterName="roll", DeploymentConfig=by_count(2))
+    assert sm.describe_cluster(ClusterName="roll")["ClusterStatus"] == "SystemUpdating"
+    seen = batches_seen(control_plane, sm, "roll")
+    order = ring_order(control_plane)
+    assert seen == [sorted(order[:2]), sorted(order[2:])]
+    assert set(releases(control_plane, "workers").values()) == {LATEST_RELEASE}
+    assert set(statuses(sm, "roll").values()) == {"Running"}
+    events = [
+        e["Description"] for e in sm.list_cluster_events(ClusterName="roll", ResourceType="Cluster")["Events"]
+    ]
+    # (Started at the time the cluster became InService: in event id order among those.)
+    assert events[0] == "Software update finished: 2 batches updated."
+    assert f"Software update started: workers to {LATEST_RELEASE}; 4 nodes in 2 batches." in events[1:3]
+    node = order[0]
+    texts = [e["Description"] for e in sm.list_cluster_events(ClusterName="roll", NodeId=node)["Events"]]
+    assert f"Node {node} is Running on image release {LATEST_RELEASE}." in texts
+    assert (
+        f"Node {node} is updating to image release {LATEST_RELEASE} (batch 1 of 2): its agent stops (after "
+        "persisting its unpersisted steps to S3), its shared memory is cleared, and it starts again with the "
+        "same node id."
+    ) in texts
+
+
+def test_percentage_batches_and_the_wait_between_them(control_plane: ControlPlane, sm: Any) -> None:
+    in_service(control_plane, sm, "pct", group(count=4))
+    policy = {"MaximumBatchSize": {"Type": "CAPACITY_PERCENTAGE", "Value": 50}}
+    sm.update_cluster_software(
+        ClusterName="pct",
+        InstanceGroups=[{"InstanceGroupName": "workers", "ImageReleaseVersion": "2.3.4"}],
+        DeploymentConfig={"RollingUpdatePolicy": policy, "WaitIntervalInSeconds": 600},
+    )
+    order = ring_order(control_plane)
+    first = wait_for(
+        lambda: [n for n, s in statuses(sm, "pct").items() if s == "SystemUpdating"] or None,
+        timeout=10,
+        what="the first batch",
+    )
+    assert sorted(first) == sorted(order[:2])
+    control_plane.advance(60)  # the first batch is back ...
+    wait_for(lambda: releases(control_plane, "workers")[order[0]] == "2.3.4", timeout=10, what="batch 1 done")
+    control_plane.advance(300)  # ... and the second waits out the 600 s interval
+    assert set(statuses(sm, "pct").values()) == {"Running"}
+    assert sm.describe_cluster(ClusterName="pct")["ClusterStatus"] == "SystemUpdating"
+    control_plane.advance(300)
+    wait_for(
+        lambda: (
+            sorted(n for n, s in statuses(sm, "pct").items() if s == "SystemUpdating") == sorted(order[2:])
+        ),
+        timeout=10,
+        what="the second batch",
+    )
+    batches_seen(control_plane, sm, "pct")
+    assert set(releases(control_plane, "workers").values()) == {"2.3.4"}
+
+
+def test_replica_peers_are_never_in_one_batch(control_plane: ControlPlane, sm: Any) -> None:
+    in_service(control_plane, sm, "ring", group(count=4), **TIERED)
+    assert set(releases(control_plane, "workers").values()) == {None}  # INITIAL_RELEASE
+    sm.update_cluster_software(ClusterName="ring", DeploymentConfig=by_count(2))
+    a, b, c, d = ring_order(control_plane)
+    # Each node's peer is the next in the ring: a-b, b-c, c-d, d-a are never together.
+    assert batches_seen(control_plane, sm, "ring") == [sorted([a, c]), sorted([b, d])]
+
+
+def test_two_peers_without_a_deployment_config_go_one_at_a_time(control_plane: ControlPlane, sm: Any) -> None:
+    """Without a DeploymentConfig every node would be in one batch; two replica peers are not."""
+    in_service(control_plane, sm, "pair", group(count=2), **TIERED)
+    sm.update_cluster_software(
+        ClusterName="pair",
+        DeploymentConfig={
+            "RollingUpdatePolicy": {"MaximumBatchSize": {"Type": "INSTANCE_COUNT", "Value": 2}},
+            "AutoRollbackConfiguration": [{"AlarmName": "loss-spike"}],
+        },
+    )
+    a, b = ring_order(control_plane)
+    assert batches_seen(control_plane, sm, "pair") == [[a], [b]]
+    events = [
+        e["Description"] for e in sm.list_cluster_events(ClusterName="pair", ResourceType="Cluster")["Events"]
+    ]
+    assert (
+        f"Software update started: workers to {LATEST_RELEASE}; 2 nodes in 2 batches; rollback alarms "
+        "loss-spike are not monitored (no CloudWatch here)."
+    ) in events
+    assert INITIAL_RELEASE != LATEST_RELEASE
+
+
+def test_validation(control_plane: ControlPlane, sm: Any) -> None:
+    in_service(control_plane, sm, "v", group(count=1))
+    assert error_of(
+        sm.update_cluster_software, ClusterName="v", InstanceGroups=[{"InstanceGroupName": "nope"}]
+    ) == (
+        "ValidationException",
+        "Instance group 'nope' does not exist in cluster 'v'; its groups are workers.",
+    )
+    assert error_of(sm.update_cluster_software, ClusterName="gone") == (
+        "ResourceNotFound",
+        "Cluster 'gone' does not exist.",
+    )
+    code, message = error_of(
+        sm.update_cluster_software,
+        ClusterName="v",
+        InstanceGroups=[{"InstanceGroupName": "workers", "ImageReleaseVersion": "latest"}],
+    )
+    assert code == "ValidationException"
+    assert "pattern" in message, message
+    sm.update_cluster_software(ClusterName="v")
+    assert error_of(sm.update_cluster_software, ClusterName="v") == (
+        "ConflictException",
+        "Cluster 'v' is SystemUpdating; UpdateClusterSoftware is accepted only while the cluster is "
+        "InService.",
+    )
+    # While it rolls, the cluster takes no other change, and its nodes no reboot.
+    assert (
+        error_of(sm.update_cluster, ClusterName="v", InstanceGroups=[group(count=2)])[0]
+        == "ConflictException"
+    )
+    (node,) = statuses(sm, "v")
+    (failed,) = sm.batch_reboot_cluster_nodes(ClusterName="v", NodeIds=[node])["Failed"]
+    assert failed["ErrorCode"] == "InvalidInstanceStatus"
+    batches_seen(control_plane, sm, "v")
