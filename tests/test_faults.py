@@ -463,6 +463,7 @@ def test_faults_are_in_the_openapi_document(agent_plane: ControlPlane) -> None:
         "S3Latency",
         "S3Errors",
         "S3Outage",
+        "DeepHealthCheckFailure",
     ]
     assert set(content["examples"]) == set(types)  # an example of each
     assert "get" in paths["/clusters/{name}/faults"]

@@ -61,6 +61,10 @@ FAULT_EXAMPLES: dict[str, dict[str, Any]] = {
         "summary": "Fail every S3 request for 60 s",
         "value": {"Type": "S3Outage", "DurationSeconds": 60},
     },
+    "DeepHealthCheckFailure": {
+        "summary": "Make a node fail its deep health checks (StartClusterHealthCheck) until cleared",
+        "value": {"Type": "DeepHealthCheckFailure", "InstanceId": "i-0123456789abcdef0"},
+    },
 }
 FAULT_ANSWER_EXAMPLE = {
     "ClusterName": "demo",

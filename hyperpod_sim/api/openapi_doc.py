@@ -121,6 +121,7 @@ MESSAGES = {
 _CODE = re.compile(r"\b([A-Z][a-z]+(?:[A-Z][a-z0-9]*)+)\b")
 
 ARN = "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdefghijkl"
+_ARN_PREFIX = "arn:aws:sagemaker:us-east-1:123456789012"
 # Member (or path parameter) name -> the value its examples show.
 VALUES: dict[str, Any] = {
     "ClusterName": "demo",
@@ -148,6 +149,19 @@ VALUES: dict[str, Any] = {
     "node_id": "i-0123456789abcdef0",
     "event_id": "2f6c0d1e-8b3a-4c5d-9e7f-0a1b2c3d4e5f",
     "fault_id": "f-3f2a9c41d07b5e68",
+    "OperationId": "7d1e2c3b-4a5f-4e6d-8c7b-9a0f1e2d3c4b",
+    "operation_id": "7d1e2c3b-4a5f-4e6d-8c7b-9a0f1e2d3c4b",
+    "ClusterSchedulerConfigId": "a1b2c3d4e5f6",
+    "config_id": "a1b2c3d4e5f6",
+    "ExtensionName": "sagemaker-observability",
+    "extension_name": "sagemaker-observability",
+    "ExtensionArn": f"{_ARN_PREFIX}:extension/sagemaker-observability/demo/a1b2c3d4e5f6",
+    "VolumeId": "vol-0123456789abcdef0",
+    "NetworkInterfaceId": "eni-0123456789abcdef0",
+    "ClusterSchedulerConfigArn": f"{_ARN_PREFIX}:cluster-scheduler-config/a1b2c3d4e5f6",
+    "ExtensionVersion": "1.1.0",
+    "AttachmentId": "eni-attach-0123456789abcdef0",
+    "DeviceName": "/dev/sdf",
 }
 
 
