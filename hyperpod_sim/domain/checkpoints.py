@@ -22,7 +22,7 @@ from sqlalchemy.orm import selectinload
 from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, INTERNAL_S3_STEPS_ROUTE, agent_path
 from hyperpod_sim.domain.agent_client import AgentConnection, AgentUnreachable
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
-from hyperpod_sim.domain.clusters import get_cluster
+from hyperpod_sim.domain.cluster_reads import get_cluster
 from hyperpod_sim.domain.lifecycle import NodeStatus
 from hyperpod_sim.domain.policy import ring
 from hyperpod_sim.models import CheckpointNamespace, Cluster, Database

@@ -55,7 +55,7 @@ from sqlalchemy.orm import Session, selectinload
 from hyperpod_sim.contracts import extensions
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.clock import Clock, Ids
-from hyperpod_sim.domain.clusters import get_cluster
+from hyperpod_sim.domain.cluster_reads import get_cluster
 from hyperpod_sim.domain.errors import (
     ConflictException,
     ResourceNotFound,

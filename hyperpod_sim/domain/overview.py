@@ -22,7 +22,7 @@ from sqlalchemy.orm import selectinload
 from hyperpod_sim.contracts.agent_api import CONTROL_PLANE_AGENT
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
 from hyperpod_sim.domain.checkpoints import NamespaceCheckpoints
-from hyperpod_sim.domain.clusters import get_cluster
+from hyperpod_sim.domain.cluster_reads import get_cluster
 from hyperpod_sim.domain.lifecycle import NodeStatus
 from hyperpod_sim.domain.policy import memory_budget_bytes, ring
 from hyperpod_sim.models import Cluster, Database
