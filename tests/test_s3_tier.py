@@ -346,3 +346,49 @@ def test_the_library_reads_from_s3_what_the_agents_persisted(
         env=env,
     )
     assert all(r["equal"] and r["loaded_step"] == 2 for r in loaded), loaded
+
+
+def test_steps_the_library_wrote_to_s3_itself_are_seen_and_loaded(
+    agent_plane: ControlPlane, sm: Any, s3: Any, bucket: str, moto_url: str, tmp_path: Path
+) -> None:
+    """The library with save_to_s3=True writes S3 itself, without a commit marker (its in-memory
+    tier unreachable here, so S3 alone holds the steps): the agents' latest and S3 fallback, the
+    listing (marked as written by the trainer) and the SDK's load_latest, through an agent and
+    straight from S3, see and load them, byte-identical."""
+    urls = agents(sm, agent_plane, "libs3", 2)
+    base = f"s3://{bucket}/lib"
+    set_policy(agent_plane, sm, "libs3", S3BaseUri=base, PersistEverySteps=1000)  # only the trainer writes
+    world = 2
+    assert create_namespace(urls[0], "trainer", world + 1).status_code in (200, 201)
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": moto_url}
+    # The library's in-memory tier is unreachable: its writer puts each step on S3 only.
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    saved = run_job(
+        tmp_path, [nowhere], world, "trainer", "1,2", extra=("--s3-base", base, "--save-to-s3"), env=env
+    )
+    assert all(r["equal"] for r in saved), saved  # (the library's own reader, from S3)
+    written = keys(s3, bucket, "lib/trainer/")
+    assert "lib/trainer/rank_1/step_2/checkpoint.pt" in written
+    assert "lib/trainer/rank_0/step_2/metadata.metadata" in written
+    assert not any("_committed" in key for key in written)
+
+    # The agents' latest (every agent) and the listing, marked as written by the trainer.
+    for agent in urls:
+        assert httpx.get(f"{agent}/v1/cp/checkpoints/trainer/latest").json() == [2, 1]
+    listing = httpx.get(f"{agent_plane.url}/clusters/libs3/checkpoints").json()
+    (namespace,) = [n for n in listing["Namespaces"] if n["Namespace"] == "trainer"]
+    assert [(s["Step"], s["S3"], s.get("S3WrittenBy"), s["Complete"]) for s in namespace["Steps"]] == [
+        (2, True, "Trainer", True),
+        (1, True, "Trainer", True),
+    ]
+
+    # The SDK's load_latest through an agent (its S3 fallback), then straight from S3.
+    sdk = ("--sdk-load", "--expect-step", "2")
+    through_agents = run_job(tmp_path, urls, world, "trainer", "", extra=sdk, env=env)
+    assert all(r["equal"] and r["sdk_step"] == r["loaded_step"] == 2 for r in through_agents), through_agents
+    assert all(set(r["served_by"].values()) == {"s3"} for r in through_agents), through_agents
+    direct = run_job(
+        tmp_path, [nowhere], world, "trainer", "", 1, extra=("--s3-base", base, "--sdk-load"), env=env
+    )
+    assert all(r["equal"] and r["sdk_step"] == 1 for r in direct), direct
+    assert all(set(r["served_by"].values()) == {"s3-direct"} for r in direct), direct

@@ -9,13 +9,20 @@ Layout under a base URI ``s3://bucket/prefix`` (the default layout of the public
 
 The library lists ``rank_<r>/`` prefixes only, so it never sees ``_committed/``. Each shard object
 carries its xxh3_128 (base64, as in ``Shard-Meta``) in the ``x-amz-meta-xxh3-128`` header. A step is
-on S3 once its marker is: the agents write it after every shard, and readers trust nothing else.
+on S3 once its marker is: the agents write it after every shard.
+
+A trainer that runs the library with ``save_to_s3=True`` writes the same default layout itself,
+with no marker: each rank its ``checkpoint.pt``, then the coordinator ``rank_0/.../metadata.metadata``
+(after every rank's write returned). Such a step is on S3 too, **written by the trainer**, when the
+library's own reader would take it (``library_steps``): every rank ``0..world_size-1`` has its
+object under ``rank_<r>/step_<n>/`` and the metadata is there. Its objects carry no checksum.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +35,11 @@ MARKER_FORMAT = "hyperpod-sim/commit-marker"
 MARKER_VERSION = 1
 DEFAULT_REGION = "us-east-1"
 _STEP_IN_KEY = re.compile(r"/step_(\d+)(?:/|\.json$)")
+SHARD_FILE = "checkpoint.pt"  # the library's names of a rank's shard and of the metadata
+METADATA_FILE = "metadata.metadata"
+WRITTEN_BY_AGENTS = "Agents"  # who put a step on S3: the agents (a marker) or the trainer (the library)
+WRITTEN_BY_TRAINER = "Trainer"
+_LIBRARY_OBJECT = re.compile(r"rank_(\d+)/step_(\d+)/(checkpoint\.pt|metadata\.metadata)")
 
 
 @dataclass(frozen=True)
@@ -82,8 +94,8 @@ class S3Target:
         two ranks (the library's convention: ``num_ranks = world_size + 1``)."""
         base = self.namespace_prefix(namespace)
         if num_ranks >= 2 and rank == num_ranks - 1:
-            return f"{base}rank_0/step_{step}/metadata.metadata"
-        return f"{base}rank_{rank}/step_{step}/checkpoint.pt"
+            return f"{base}rank_0/step_{step}/{METADATA_FILE}"
+        return f"{base}rank_{rank}/step_{step}/{SHARD_FILE}"
 
     def marker_prefix(self, namespace: str) -> str:
         return f"{self.namespace_prefix(namespace)}{MARKER_DIR}/"
@@ -150,3 +162,32 @@ def step_of_key(key: str) -> int | None:
     """The step an object of the layout belongs to, or None."""
     match = _STEP_IN_KEY.search(key)
     return int(match.group(1)) if match else None
+
+
+def library_steps(keys: Iterable[str], namespace_prefix: str, world_size: int | None) -> list[int]:
+    """The steps that the library wrote completely, newest first, from the object keys under a
+    namespace's prefix: as the library's reader decides (its ``find_step_ranks``: every rank
+    ``0..world_size-1`` present), with the objects themselves required (each rank's
+    ``checkpoint.pt`` and ``rank_0``'s ``metadata.metadata``, written last). ``world_size`` None (a
+    namespace the control plane does not know): the ranks present must be ``0..k-1``, which the
+    metadata, written only after every rank's shard, vouches for."""
+    shards: dict[int, set[int]] = {}
+    metadata: set[int] = set()
+    for key in keys:
+        if not key.startswith(namespace_prefix):
+            continue
+        match = _LIBRARY_OBJECT.fullmatch(key[len(namespace_prefix) :])
+        if match is None:
+            continue
+        rank, step = int(match.group(1)), int(match.group(2))
+        if match.group(3) == SHARD_FILE:
+            shards.setdefault(step, set()).add(rank)
+        elif rank == 0:
+            metadata.add(step)
+    complete = []
+    for step in metadata:
+        ranks = shards.get(step, set())
+        wanted = set(range(world_size if world_size is not None else len(ranks)))
+        if ranks and wanted <= ranks and (world_size is not None or ranks == wanted):
+            complete.append(step)
+    return sorted(complete, reverse=True)
