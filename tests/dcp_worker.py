@@ -6,19 +6,21 @@ agent, which is what its writer and reader construct their client with.
 
     python -m tests.dcp_worker --rank R --world-size W --master-port P --agent-url URL
         --namespace NS --steps 1,2,3 [--load-step N] [--s3-base s3://b/p] [--save-to-s3]
-        [--sdk-load] --out result.json
+        [--sdk-load] [--ray-layout] --out result.json
 
 With ``--s3-base`` the reader is configured with that S3 base path (the library's own S3 fallback;
 the endpoint comes from ``AWS_ENDPOINT_URL``). ``--save-to-s3``: the writer writes that S3 base
 path itself too (``save_to_s3=True``). ``--sdk-load``: the load is hyperpod-sim's ``load_latest``
 (its ``TieredCheckpointConfig`` with this agent and ``--s3-base``), not the library's reader, and
-the result says whether every tensor is byte-identical. ``--steps`` may be empty: then the job
-only loads.
+the result says whether every tensor is byte-identical. ``--ray-layout``: the library's
+S3 layout under Ray Train (its ``RayS3PathStrategy``), given explicitly. ``--steps`` may be
+empty: then the job only loads.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,6 +64,7 @@ def main() -> int:
     parser.add_argument("--expect-step", type=int, help="the step a load of the latest should find")
     parser.add_argument("--save-to-s3", action="store_true", help="the library writes --s3-base itself")
     parser.add_argument("--sdk-load", action="store_true", help="load with hyperpod-sim's load_latest")
+    parser.add_argument("--ray-layout", action="store_true", help="the library's Ray Train S3 layout")
     args = parser.parse_args()
 
     point_library_at(args.agent_url)
@@ -69,18 +72,27 @@ def main() -> int:
         SageMakerTieredStorageReader,
         SageMakerTieredStorageWriter,
     )
+    from amzn_sagemaker_checkpointing.config.s3_path_strategy import RayS3PathStrategy
     from amzn_sagemaker_checkpointing.config.sagemaker_checkpoint_config import SageMakerCheckpointConfig
+
+    def s3(base: str) -> dict[str, Any]:
+        """The config members that name S3: the base path, or the Ray strategy over it."""
+        if not base:
+            return {}
+        return (
+            {"s3_path_strategy": RayS3PathStrategy(base)} if args.ray_layout else {"s3_tier_base_path": base}
+        )
 
     result: dict[str, object] = {"rank": args.rank}
     with process_group(args):
         config = SageMakerCheckpointConfig(
             namespace=args.namespace,
             world_size=args.world_size,
-            s3_tier_base_path=args.s3_base if args.save_to_s3 else "",
             save_to_s3=args.save_to_s3,
+            **s3(args.s3_base if args.save_to_s3 else ""),
         )
         read_config = SageMakerCheckpointConfig(
-            namespace=args.namespace, world_size=args.world_size, s3_tier_base_path=args.s3_base
+            namespace=args.namespace, world_size=args.world_size, **s3(args.s3_base)
         )
         steps = [int(s) for s in args.steps.split(",") if s]
         for step in steps:

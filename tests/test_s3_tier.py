@@ -392,3 +392,37 @@ def test_steps_the_library_wrote_to_s3_itself_are_seen_and_loaded(
     )
     assert all(r["equal"] and r["sdk_step"] == 1 for r in direct), direct
     assert all(set(r["served_by"].values()) == {"s3-direct"} for r in direct), direct
+
+
+def test_the_ray_layout_written_by_the_agents_and_by_the_trainer(
+    agent_plane: ControlPlane, sm: Any, s3: Any, bucket: str, moto_url: str, tmp_path: Path
+) -> None:
+    """With S3Layout Ray the agents persist as the library does under Ray Train, and the library's
+    Ray reader loads that from S3 alone; a step the library writes itself in that layout is seen
+    too. The listing reads both, marked by who wrote them."""
+    urls = agents(sm, agent_plane, "ray", 2)
+    base = f"s3://{bucket}/ray"
+    set_policy(agent_plane, sm, "ray", S3BaseUri=base, PersistEverySteps=2, S3Layout="Ray")
+    assert httpx.get(f"{agent_plane.url}/clusters/ray/checkpoint-policy").json()["S3Layout"] == "Ray"
+    saved = run_job(tmp_path, urls, 2, "rayjob", "1,2,3")
+    assert all(r["equal"] for r in saved), saved
+    wait_for(lambda: markers(s3, bucket, "ray/rayjob/") == [2], timeout=60, what="step 2 on S3")
+    written = keys(s3, bucket, "ray/rayjob/")
+    assert {"ray/rayjob/step_2/rank_1/checkpoint.pt", "ray/rayjob/step_2/rank_0/metadata.metadata"} <= written
+    assert not any("/rank_0/step_" in key for key in written)
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": moto_url}
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    ray = ("--s3-base", base, "--ray-layout")
+    loaded = run_job(tmp_path, [nowhere], 2, "rayjob", "", extra=(*ray, "--expect-step", "2"), env=env)
+    assert all(r["equal"] and r["loaded_step"] == 2 for r in loaded), loaded
+    # The library writes step 8 to S3 itself, in the Ray layout (its in-memory tier unreachable).
+    saved = run_job(tmp_path, [nowhere], 2, "rayjob", "8", extra=(*ray, "--save-to-s3"), env=env)
+    assert all(r["equal"] for r in saved), saved
+    assert httpx.get(f"{urls[0]}/v1/cp/checkpoints/rayjob/latest").json()[:2] == [8, 3]
+    listing = httpx.get(f"{agent_plane.url}/clusters/ray/checkpoints").json()
+    (namespace,) = listing["Namespaces"]
+    on_s3 = [(s["Step"], s.get("S3WrittenBy")) for s in namespace["Steps"] if s["S3"]]
+    assert on_s3 == [(8, "Trainer"), (2, None)], namespace
+    # The SDK loads the trainer's Ray-layout step through an agent (its S3 fallback).
+    sdk = run_job(tmp_path, urls, 2, "rayjob", "", 8, extra=("--sdk-load",), env=env)
+    assert all(r["equal"] and r["sdk_step"] == 8 for r in sdk), sdk

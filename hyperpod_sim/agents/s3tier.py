@@ -53,8 +53,8 @@ from hyperpod_sim.contracts.s3layout import (
     CommitMarker,
     S3Target,
     ShardObject,
-    library_steps,
     step_of_key,
+    trainer_steps,
 )
 from hyperpod_sim.contracts.shards import checksum_of
 
@@ -476,7 +476,7 @@ class S3Tier:
         keys = list(objects.keys(target.bucket, prefix))
         markers = [k for k in keys if k.startswith(marker_prefix)]
         data = [k for k in keys if not k.startswith(marker_prefix)]
-        trainer = library_steps(data, prefix, world_size)  # complete without a marker: not abandoned
+        trainer = trainer_steps(data, prefix, world_size)  # complete without a marker: not abandoned
         doomed, abandoned = catalog.retention_plan(
             [*(s for k in markers if (s := step_of_key(k)) is not None), *trainer],
             (s for k in data if (s := step_of_key(k)) is not None),
@@ -497,7 +497,7 @@ class S3Tier:
 
     async def committed_steps(self, name: str) -> list[int]:
         """Steps on S3, newest first: with a commit marker, or written whole by the trainer through
-        the library (``s3layout.library_steps``); [] without a target or when S3 fails."""
+        the library, in either layout (``s3layout.trainer_steps``); [] without a target or when S3 fails."""
         return sorted(await self.s3_steps(name), reverse=True)
 
     async def s3_steps(self, name: str) -> dict[int, str]:
@@ -600,7 +600,8 @@ class S3Tier:
 def _s3_steps(target: S3Target, name: str, keys: list[str], world_size: int | None) -> dict[int, str]:
     """Who wrote each step of ``name`` on S3, from the keys under its prefix."""
     marker_prefix = target.marker_prefix(name)
-    written = {s: WRITTEN_BY_TRAINER for s in library_steps(keys, target.namespace_prefix(name), world_size)}
+    trainer = trainer_steps(keys, target.namespace_prefix(name), world_size)
+    written = dict.fromkeys(trainer, WRITTEN_BY_TRAINER)
     for key in keys:
         if key.startswith(marker_prefix) and (s := step_of_key(key)) is not None:
             written[s] = WRITTEN_BY_AGENTS
@@ -615,9 +616,11 @@ def _read_trainer_written(
     if world_size is None:
         return None
     prefix = target.namespace_prefix(key.namespace)
-    if key.step not in library_steps(objects.keys(target.bucket, prefix), prefix, world_size):
+    layout = trainer_steps(objects.keys(target.bucket, prefix), prefix, world_size).get(key.step)
+    if layout is None:
         return None
-    data = objects.get(target.bucket, target.shard_key(key.namespace, key.rank, key.step, world_size + 1))
+    shard_key = target.shard_key(key.namespace, key.rank, key.step, world_size + 1, layout=layout)
+    data = objects.get(target.bucket, shard_key)
     return None if data is None else (data, checksum_of(data))
 
 

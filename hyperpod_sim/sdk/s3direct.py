@@ -4,7 +4,7 @@ copy (``TieredCheckpointConfig.s3_tier_base_path``).
 The layout and the commit marker are the agents' (``contracts/s3layout.py``): a shard is read only
 if its step has a marker, and used only if its size and checksum match what the marker lists. A
 step with no marker that the trainer wrote through the library itself (``save_to_s3=True``) is
-read when it is complete as the library decides (``s3layout.library_steps``); its objects carry
+read when it is complete as the library decides (``s3layout.trainer_steps``, either layout); its objects carry
 no checksum, so what guards them is the reader's allow-list decoding (``sdk/library_format.py``).
 The endpoint and credentials come from the boto3 chain (``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``).
 """
@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any
 
-from hyperpod_sim.contracts.s3layout import DEFAULT_REGION, CommitMarker, S3Target, library_steps
+from hyperpod_sim.contracts.s3layout import DEFAULT_REGION, CommitMarker, S3Target, trainer_steps
 from hyperpod_sim.contracts.shards import checksum_of
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,10 @@ def _trainer_written(
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=target.bucket, Prefix=prefix)
         for item in page.get("Contents", [])
     )
-    if step not in library_steps(keys, prefix, world_size):
+    layout = trainer_steps(keys, prefix, world_size).get(step)
+    if layout is None:
         return None
-    return _get(client, target.bucket, target.shard_key(namespace, rank, step, world_size + 1))
+    return _get(client, target.bucket, target.shard_key(namespace, rank, step, world_size + 1, layout=layout))
 
 
 def _get(client: Any, bucket: str, key: str) -> bytes | None:
