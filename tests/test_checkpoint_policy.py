@@ -64,6 +64,12 @@ def test_defaults_update_and_rollout_status(control_plane: ControlPlane, sm: Any
             "1 validation error detected: With S3BaseUri set, PersistEverySteps or PersistEverySeconds "
             "(or both) is required",
         ),
+        ({"S3Layout": "Ray"}, "1 validation error detected: S3Layout needs S3BaseUri"),
+        (
+            {"S3BaseUri": "s3://bucket", "PersistEverySteps": 1, "S3Layout": "Flat"},
+            "1 validation error detected: Value 'Flat' at 's3Layout' failed to satisfy constraint: "
+            "Member must satisfy enum value set: [Default, Ray]",
+        ),
         (
             {"PersistEverySteps": 10},
             "1 validation error detected: PersistEverySteps, PersistEverySeconds and S3Retention need "
@@ -79,7 +85,7 @@ def test_defaults_update_and_rollout_status(control_plane: ControlPlane, sm: Any
             {"Colour": "blue"},
             "1 validation error detected: Unknown member 'Colour' at 'input': allowed members are S3BaseUri, "
             "PersistEverySteps, PersistEverySeconds, S3Retention, InMemoryRetention, ReplicationFactor, "
-            "AgentAccess",
+            "AgentAccess, S3Layout",
         ),
     ],
 )

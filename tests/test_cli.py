@@ -200,6 +200,7 @@ def test_create_from_flags_update_policy_delete(plane: str) -> None:
         "InMemoryRetention": "3",
         "ReplicationFactor": "1",
         "AgentAccess": "Open",
+        "S3Layout": "-",
     }
     generation = int(policy["PolicyGeneration"])
     changed = hpsim(

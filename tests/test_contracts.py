@@ -13,7 +13,15 @@ import xxhash
 
 from hyperpod_sim.contracts.agent_api import HEARTBEAT_ROUTE, agent_api_path
 from hyperpod_sim.contracts.policy import NodePolicy, PolicyError, S3Policy, parse_policy
-from hyperpod_sim.contracts.s3layout import CommitMarker, S3Target, ShardObject, step_of_key
+from hyperpod_sim.contracts.s3layout import (
+    LAYOUT_RAY,
+    CommitMarker,
+    S3Target,
+    ShardObject,
+    library_steps,
+    step_of_key,
+    trainer_steps,
+)
 from hyperpod_sim.contracts.shards import Checksum, ShardMetaError, checksum_of, parse_shard_meta, shard_meta
 
 SHA = "ab" * 32
@@ -100,6 +108,32 @@ def test_s3_layout_and_commit_marker() -> None:
     raw = json.dumps(marker.doc()).encode()
     assert json.loads(raw)["format"] == "hyperpod-sim/commit-marker"
     assert (CommitMarker.shard_of(raw, 0), CommitMarker.shard_of(raw, 1)) == (shard, None)
+
+
+def test_steps_the_library_wrote_are_complete_as_its_reader_decides() -> None:
+    """Every rank's checkpoint.pt and rank 0's metadata, in either of the library's layouts."""
+    prefix = "run/job/"
+    default = [f"{prefix}rank_{r}/step_{n}/checkpoint.pt" for n in (4, 5, 6) for r in (0, 1)]
+    default += [f"{prefix}rank_0/step_{n}/metadata.metadata" for n in (5, 6)]  # step 4: no metadata
+    default.remove(f"{prefix}rank_1/step_6/checkpoint.pt")  # step 6: a rank missing
+    default += [f"{prefix}rank_0/step_7/metadata.metadata", f"{prefix}_committed/step_3.json"]
+    assert library_steps(default, prefix, 2) == [5]
+    assert library_steps(default, prefix, 3) == []
+    # A world size unknown: the ranks present, 0..k-1 (step 6 reads as a world of one).
+    assert library_steps(default, prefix, None) == [6, 5]
+    ray = [f"{prefix}step_9/rank_{r}/checkpoint.pt" for r in (0, 1)] + [
+        f"{prefix}step_9/rank_0/metadata.metadata"
+    ]
+    assert library_steps(ray, prefix, 2) == []
+    assert library_steps(ray, prefix, 2, LAYOUT_RAY) == [9]
+    assert trainer_steps(default + ray, prefix, 2) == {5: "Default", 9: "Ray"}
+    target = S3Target.from_policy(S3Policy(base_uri="s3://b/run", persist_every_steps=1, layout=LAYOUT_RAY))
+    assert target is not None
+    assert target.shard_key("job", 1, 9, num_ranks=3) == "run/job/step_9/rank_1/checkpoint.pt"
+    assert target.shard_key("job", 2, 9, num_ranks=3) == "run/job/step_9/rank_0/metadata.metadata"
+    assert target.shard_key("job", 1, 9, 3, layout="Default") == "run/job/rank_1/step_9/checkpoint.pt"
+    assert target.marker_key("job", 9) == "run/job/_committed/step_9.json"
+    assert step_of_key(target.shard_key("job", 1, 9, num_ranks=3)) == 9
 
 
 def test_route_paths_quote_each_segment() -> None:

@@ -346,3 +346,83 @@ def test_the_library_reads_from_s3_what_the_agents_persisted(
         env=env,
     )
     assert all(r["equal"] and r["loaded_step"] == 2 for r in loaded), loaded
+
+
+def test_steps_the_library_wrote_to_s3_itself_are_seen_and_loaded(
+    agent_plane: ControlPlane, sm: Any, s3: Any, bucket: str, moto_url: str, tmp_path: Path
+) -> None:
+    """The library with save_to_s3=True writes S3 itself, without a commit marker (its in-memory
+    tier unreachable here, so S3 alone holds the steps): the agents' latest and S3 fallback, the
+    listing (marked as written by the trainer) and the SDK's load_latest, through an agent and
+    straight from S3, see and load them, byte-identical."""
+    urls = agents(sm, agent_plane, "libs3", 2)
+    base = f"s3://{bucket}/lib"
+    set_policy(agent_plane, sm, "libs3", S3BaseUri=base, PersistEverySteps=1000)  # only the trainer writes
+    world = 2
+    assert create_namespace(urls[0], "trainer", world + 1).status_code in (200, 201)
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": moto_url}
+    # The library's in-memory tier is unreachable: its writer puts each step on S3 only.
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    saved = run_job(
+        tmp_path, [nowhere], world, "trainer", "1,2", extra=("--s3-base", base, "--save-to-s3"), env=env
+    )
+    assert all(r["equal"] for r in saved), saved  # (the library's own reader, from S3)
+    written = keys(s3, bucket, "lib/trainer/")
+    assert "lib/trainer/rank_1/step_2/checkpoint.pt" in written
+    assert "lib/trainer/rank_0/step_2/metadata.metadata" in written
+    assert not any("_committed" in key for key in written)
+
+    # The agents' latest (every agent) and the listing, marked as written by the trainer.
+    for agent in urls:
+        assert httpx.get(f"{agent}/v1/cp/checkpoints/trainer/latest").json() == [2, 1]
+    listing = httpx.get(f"{agent_plane.url}/clusters/libs3/checkpoints").json()
+    (namespace,) = [n for n in listing["Namespaces"] if n["Namespace"] == "trainer"]
+    assert [(s["Step"], s["S3"], s.get("S3WrittenBy"), s["Complete"]) for s in namespace["Steps"]] == [
+        (2, True, "Trainer", True),
+        (1, True, "Trainer", True),
+    ]
+
+    # The SDK's load_latest through an agent (its S3 fallback), then straight from S3.
+    sdk = ("--sdk-load", "--expect-step", "2")
+    through_agents = run_job(tmp_path, urls, world, "trainer", "", extra=sdk, env=env)
+    assert all(r["equal"] and r["sdk_step"] == r["loaded_step"] == 2 for r in through_agents), through_agents
+    assert all(set(r["served_by"].values()) == {"s3"} for r in through_agents), through_agents
+    direct = run_job(
+        tmp_path, [nowhere], world, "trainer", "", 1, extra=("--s3-base", base, "--sdk-load"), env=env
+    )
+    assert all(r["equal"] and r["sdk_step"] == 1 for r in direct), direct
+    assert all(set(r["served_by"].values()) == {"s3-direct"} for r in direct), direct
+
+
+def test_the_ray_layout_written_by_the_agents_and_by_the_trainer(
+    agent_plane: ControlPlane, sm: Any, s3: Any, bucket: str, moto_url: str, tmp_path: Path
+) -> None:
+    """With S3Layout Ray the agents persist as the library does under Ray Train, and the library's
+    Ray reader loads that from S3 alone; a step the library writes itself in that layout is seen
+    too. The listing reads both, marked by who wrote them."""
+    urls = agents(sm, agent_plane, "ray", 2)
+    base = f"s3://{bucket}/ray"
+    set_policy(agent_plane, sm, "ray", S3BaseUri=base, PersistEverySteps=2, S3Layout="Ray")
+    assert httpx.get(f"{agent_plane.url}/clusters/ray/checkpoint-policy").json()["S3Layout"] == "Ray"
+    saved = run_job(tmp_path, urls, 2, "rayjob", "1,2,3")
+    assert all(r["equal"] for r in saved), saved
+    wait_for(lambda: markers(s3, bucket, "ray/rayjob/") == [2], timeout=60, what="step 2 on S3")
+    written = keys(s3, bucket, "ray/rayjob/")
+    assert {"ray/rayjob/step_2/rank_1/checkpoint.pt", "ray/rayjob/step_2/rank_0/metadata.metadata"} <= written
+    assert not any("/rank_0/step_" in key for key in written)
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": moto_url}
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    ray = ("--s3-base", base, "--ray-layout")
+    loaded = run_job(tmp_path, [nowhere], 2, "rayjob", "", extra=(*ray, "--expect-step", "2"), env=env)
+    assert all(r["equal"] and r["loaded_step"] == 2 for r in loaded), loaded
+    # The library writes step 8 to S3 itself, in the Ray layout (its in-memory tier unreachable).
+    saved = run_job(tmp_path, [nowhere], 2, "rayjob", "8", extra=(*ray, "--save-to-s3"), env=env)
+    assert all(r["equal"] for r in saved), saved
+    assert httpx.get(f"{urls[0]}/v1/cp/checkpoints/rayjob/latest").json()[:2] == [8, 3]
+    listing = httpx.get(f"{agent_plane.url}/clusters/ray/checkpoints").json()
+    (namespace,) = listing["Namespaces"]
+    on_s3 = [(s["Step"], s.get("S3WrittenBy")) for s in namespace["Steps"] if s["S3"]]
+    assert on_s3 == [(8, "Trainer"), (2, None)], namespace
+    # The SDK loads the trainer's Ray-layout step through an agent (its S3 fallback).
+    sdk = run_job(tmp_path, urls, 2, "rayjob", "", 8, extra=("--sdk-load",), env=env)
+    assert all(r["equal"] and r["sdk_step"] == 8 for r in sdk), sdk

@@ -47,7 +47,16 @@ from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.agents.store import CorruptShard, ShardKey, ShardStore
 from hyperpod_sim.agents.tiermodel import Namespace, TierError
 from hyperpod_sim.contracts.policy import NodePolicy, S3Policy
-from hyperpod_sim.contracts.s3layout import CommitMarker, S3Target, ShardObject, step_of_key
+from hyperpod_sim.contracts.s3layout import (
+    WRITTEN_BY_AGENTS,
+    WRITTEN_BY_TRAINER,
+    CommitMarker,
+    S3Target,
+    ShardObject,
+    step_of_key,
+    trainer_steps,
+)
+from hyperpod_sim.contracts.shards import checksum_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -347,7 +356,8 @@ class S3Tier:
         self._committed(name, step)
         log.info("step %d of %r is on S3 (%d shards)", step, name, len(done))
         try:
-            await self._run(lambda: self._retain(objects, target, name, step))
+            world_size = namespace.num_ranks - 1 if namespace.num_ranks >= 2 else None
+            await self._run(lambda: self._retain(objects, target, name, step, world_size))
         except S3Unavailable as exc:
             log.warning("S3 retention of %r did not finish: %s", name, exc)
         return True
@@ -455,16 +465,20 @@ class S3Tier:
 
     # ------------------------------------------------------------------ retention and cleanup
 
-    def _retain(self, objects: S3Objects, target: S3Target, name: str, newest: int) -> None:
-        """Keep the newest ``retention`` committed steps (markers go first); delete what uploads
-        that died before their marker left behind, below the newest committed step."""
+    def _retain(
+        self, objects: S3Objects, target: S3Target, name: str, newest: int, world_size: int | None
+    ) -> None:
+        """Keep the newest ``retention`` steps on S3 (markers go first; steps the trainer wrote
+        count as on S3); delete what uploads that died before their marker left behind, below the
+        newest committed step."""
         prefix = target.namespace_prefix(name)
         marker_prefix = target.marker_prefix(name)
         keys = list(objects.keys(target.bucket, prefix))
         markers = [k for k in keys if k.startswith(marker_prefix)]
         data = [k for k in keys if not k.startswith(marker_prefix)]
+        trainer = trainer_steps(data, prefix, world_size)  # complete without a marker: not abandoned
         doomed, abandoned = catalog.retention_plan(
-            (s for k in markers if (s := step_of_key(k)) is not None),
+            [*(s for k in markers if (s := step_of_key(k)) is not None), *trainer],
             (s for k in data if (s := step_of_key(k)) is not None),
             target.retention,
         )
@@ -482,18 +496,33 @@ class S3Tier:
     # ------------------------------------------------------------------ reads
 
     async def committed_steps(self, name: str) -> list[int]:
-        """Steps with a commit marker, newest first ([] without a target or when S3 fails)."""
+        """Steps on S3, newest first: with a commit marker, or written whole by the trainer through
+        the library, in either layout (``s3layout.trainer_steps``); [] without a target or when S3 fails."""
+        return sorted(await self.s3_steps(name), reverse=True)
+
+    async def s3_steps(self, name: str) -> dict[int, str]:
+        """Every step of ``name`` on S3 -> who wrote it (``WRITTEN_BY_AGENTS``: it has a marker,
+        ``WRITTEN_BY_TRAINER``: the library wrote it complete, without one)."""
         target = self.target
         if target is None:
-            return []
+            return {}
         objects = await self._client(target)
-        marker_prefix = target.marker_prefix(name)
+        world_size = await self._world_size(name)
         try:
-            keys = await self._run(lambda: list(objects.keys(target.bucket, marker_prefix)))
+            keys = await self._run(lambda: list(objects.keys(target.bucket, target.namespace_prefix(name))))
         except S3Unavailable as exc:
             log.warning("cannot list S3 steps of %r: %s", name, exc)
-            return []
-        return sorted({s for k in keys if (s := step_of_key(k)) is not None}, reverse=True)
+            return {}
+        return _s3_steps(target, name, keys, world_size)
+
+    async def _world_size(self, name: str) -> int | None:
+        """The trainer's world size of a namespace the control plane knows (its ranks less the
+        metadata rank), or None."""
+        try:
+            namespace = await self._cluster.namespace(name)
+        except Exception:
+            return None
+        return namespace.num_ranks - 1 if namespace.num_ranks >= 2 else None
 
     async def read_shard(self, key: ShardKey) -> tuple[bytes, str] | None:
         """A shard's bytes and checksum from S3, verified against its step's marker; None if S3
@@ -503,10 +532,12 @@ class S3Tier:
             return None
         objects = await self._client(target)
 
+        world_size = await self._world_size(key.namespace)
+
         def read() -> tuple[bytes, str] | None:
             raw = objects.get(target.bucket, target.marker_key(key.namespace, key.step))
             if raw is None:
-                return None
+                return _read_trainer_written(objects, target, key, world_size)
             shard = CommitMarker.shard_of(raw, key.rank)
             if shard is None:
                 return None
@@ -564,6 +595,33 @@ class S3Tier:
 
     def _left(self, deadline: float) -> float:
         return max(deadline - self._clock.monotonic(), 0.001)
+
+
+def _s3_steps(target: S3Target, name: str, keys: list[str], world_size: int | None) -> dict[int, str]:
+    """Who wrote each step of ``name`` on S3, from the keys under its prefix."""
+    marker_prefix = target.marker_prefix(name)
+    trainer = trainer_steps(keys, target.namespace_prefix(name), world_size)
+    written = dict.fromkeys(trainer, WRITTEN_BY_TRAINER)
+    for key in keys:
+        if key.startswith(marker_prefix) and (s := step_of_key(key)) is not None:
+            written[s] = WRITTEN_BY_AGENTS
+    return written
+
+
+def _read_trainer_written(
+    objects: S3Objects, target: S3Target, key: ShardKey, world_size: int | None
+) -> tuple[bytes, str] | None:
+    """A shard of a step the trainer wrote through the library (no marker), if that step is
+    complete on S3; its checksum is computed here (the library stores none)."""
+    if world_size is None:
+        return None
+    prefix = target.namespace_prefix(key.namespace)
+    layout = trainer_steps(objects.keys(target.bucket, prefix), prefix, world_size).get(key.step)
+    if layout is None:
+        return None
+    shard_key = target.shard_key(key.namespace, key.rank, key.step, world_size + 1, layout=layout)
+    data = objects.get(target.bucket, shard_key)
+    return None if data is None else (data, checksum_of(data))
 
 
 # How much lower than the agent's event loop (nice 0) S3 work runs. Linux gives each thread its own

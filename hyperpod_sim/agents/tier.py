@@ -63,6 +63,7 @@ from hyperpod_sim.agents.tiermodel import (
     tier_of,
 )
 from hyperpod_sim.contracts.policy import NodePolicy
+from hyperpod_sim.contracts.s3layout import WRITTEN_BY_TRAINER
 from hyperpod_sim.contracts.shards import SHARD_META, TIER_HEADER, checksum_of
 
 log = logging.getLogger(__name__)
@@ -444,8 +445,11 @@ class MemoryTier:
         return catalog.local_index(self.store.shards(name), self.state.node_id)
 
     async def local_s3_steps(self, name: str) -> dict[str, Any]:
-        """The steps of ``name`` committed on S3 (with a marker), newest first; [] without an S3 tier."""
-        return {"steps": await self.s3.committed_steps(name)}
+        """The steps of ``name`` on S3 (with a marker, or written whole by the trainer through the
+        library: those also in ``trainer``), newest first; [] without an S3 tier."""
+        written = await self.s3.s3_steps(name)
+        steps = sorted(written, reverse=True)
+        return {"steps": steps, "trainer": [s for s in steps if written[s] == WRITTEN_BY_TRAINER]}
 
     async def local_shard(self, name: str, rank: str, step: str) -> ShardCopy:
         key = parse_key(name, rank, step)

@@ -57,6 +57,7 @@ class S3Policy(_Member):
     persist_every_steps: StrictInt | None = None
     persist_every_seconds: Number | None = None
     retention: StrictInt | None = None
+    layout: StrictStr | None = None  # s3layout.LAYOUT_DEFAULT (None too) or LAYOUT_RAY
     endpoint_url: StrictStr | None = None
     region: StrictStr | None = None
 

@@ -7,15 +7,31 @@ Layout under a base URI ``s3://bucket/prefix`` (the default layout of the public
     prefix/<ns>/rank_0/step_<n>/metadata.metadata     the metadata shard (in memory: rank world size)
     prefix/<ns>/_committed/step_<n>.json              the commit marker, written last
 
-The library lists ``rank_<r>/`` prefixes only, so it never sees ``_committed/``. Each shard object
-carries its xxh3_128 (base64, as in ``Shard-Meta``) in the ``x-amz-meta-xxh3-128`` header. A step is
-on S3 once its marker is: the agents write it after every shard, and readers trust nothing else.
+The library lists ``rank_<r>/`` prefixes only, so it never sees ``_committed/``. Under Ray Train the
+library uses another layout by itself (its ``RayS3PathStrategy``), which the agents write too when
+the checkpoint policy's ``S3Layout`` is ``Ray`` (the marker stays where it is)::
+
+    prefix/<ns>/step_<n>/rank_<r>/checkpoint.pt
+    prefix/<ns>/step_<n>/rank_0/metadata.metadata
+
+The library's Ray reader lists ``step_<n>/`` prefixes, so it never sees ``_committed/`` either.
+
+Each shard object carries its xxh3_128 (base64, as in ``Shard-Meta``) in the
+``x-amz-meta-xxh3-128`` header. A step is on S3 once its marker is: the agents write it after
+every shard.
+
+A trainer that runs the library with ``save_to_s3=True`` writes either layout itself,
+with no marker: each rank its ``checkpoint.pt``, then the coordinator ``rank_0/.../metadata.metadata``
+(after every rank's write returned). Such a step is on S3 too, **written by the trainer**, when the
+library's own reader would take it (``library_steps``, ``trainer_steps``): every rank
+``0..world_size-1`` has its object and the metadata is there. Its objects carry no checksum.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +44,21 @@ MARKER_FORMAT = "hyperpod-sim/commit-marker"
 MARKER_VERSION = 1
 DEFAULT_REGION = "us-east-1"
 _STEP_IN_KEY = re.compile(r"/step_(\d+)(?:/|\.json$)")
+SHARD_FILE = "checkpoint.pt"  # the library's names of a rank's shard and of the metadata
+METADATA_FILE = "metadata.metadata"
+WRITTEN_BY_AGENTS = "Agents"  # who put a step on S3: the agents (a marker) or the trainer (the library)
+WRITTEN_BY_TRAINER = "Trainer"
+LAYOUT_DEFAULT = "Default"  # the library's DefaultS3PathStrategy: rank_<r>/step_<n>/
+LAYOUT_RAY = "Ray"  # its RayS3PathStrategy: step_<n>/rank_<r>/
+LAYOUTS = (LAYOUT_DEFAULT, LAYOUT_RAY)
+_LIBRARY_OBJECT = {
+    LAYOUT_DEFAULT: re.compile(
+        r"rank_(?P<rank>\d+)/step_(?P<step>\d+)/(?P<file>checkpoint\.pt|metadata\.metadata)"
+    ),
+    LAYOUT_RAY: re.compile(
+        r"step_(?P<step>\d+)/rank_(?P<rank>\d+)/(?P<file>checkpoint\.pt|metadata\.metadata)"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +73,7 @@ class S3Target:
     every_steps: int | None
     every_seconds: float | None
     retention: int | None
+    layout: str = LAYOUT_DEFAULT  # where the agents put shards: LAYOUT_DEFAULT or LAYOUT_RAY
 
     @classmethod
     def from_policy(cls, s3: S3Policy | None, *, endpoint_override: str | None = None) -> S3Target | None:
@@ -65,6 +97,7 @@ class S3Target:
             every_steps=steps or None,
             every_seconds=float(seconds) if seconds else None,
             retention=retention or None,
+            layout=s3.layout or LAYOUT_DEFAULT,
         )
 
     @classmethod
@@ -77,13 +110,17 @@ class S3Target:
     def namespace_prefix(self, namespace: str) -> str:
         return f"{self.prefix}/{namespace}/" if self.prefix else f"{namespace}/"
 
-    def shard_key(self, namespace: str, rank: int, step: int, num_ranks: int) -> str:
-        """The object of one shard. The metadata shard is the last rank of a namespace of at least
-        two ranks (the library's convention: ``num_ranks = world_size + 1``)."""
+    def shard_key(
+        self, namespace: str, rank: int, step: int, num_ranks: int, *, layout: str | None = None
+    ) -> str:
+        """The object of one shard, in ``layout`` (default: the target's). The metadata shard is
+        the last rank of a namespace of at least two ranks (the library's convention:
+        ``num_ranks = world_size + 1``)."""
         base = self.namespace_prefix(namespace)
-        if num_ranks >= 2 and rank == num_ranks - 1:
-            return f"{base}rank_0/step_{step}/metadata.metadata"
-        return f"{base}rank_{rank}/step_{step}/checkpoint.pt"
+        rank, name = (0, METADATA_FILE) if num_ranks >= 2 and rank == num_ranks - 1 else (rank, SHARD_FILE)
+        if (layout or self.layout) == LAYOUT_RAY:
+            return f"{base}step_{step}/rank_{rank}/{name}"
+        return f"{base}rank_{rank}/step_{step}/{name}"
 
     def marker_prefix(self, namespace: str) -> str:
         return f"{self.namespace_prefix(namespace)}{MARKER_DIR}/"
@@ -150,3 +187,47 @@ def step_of_key(key: str) -> int | None:
     """The step an object of the layout belongs to, or None."""
     match = _STEP_IN_KEY.search(key)
     return int(match.group(1)) if match else None
+
+
+def library_steps(
+    keys: Iterable[str], namespace_prefix: str, world_size: int | None, layout: str = LAYOUT_DEFAULT
+) -> list[int]:
+    """The steps that the library wrote completely, newest first, from the object keys under a
+    namespace's prefix: as the library's reader decides (its ``find_step_ranks``: every rank
+    ``0..world_size-1`` present), with the objects themselves required (each rank's
+    ``checkpoint.pt`` and ``rank_0``'s ``metadata.metadata``, written last). ``world_size`` None (a
+    namespace the control plane does not know): the ranks present must be ``0..k-1``, which the
+    metadata, written only after every rank's shard, vouches for. ``layout``: which of the
+    library's two layouts to look for."""
+    pattern = _LIBRARY_OBJECT[layout]
+    shards: dict[int, set[int]] = {}
+    metadata: set[int] = set()
+    for key in keys:
+        if not key.startswith(namespace_prefix):
+            continue
+        match = pattern.fullmatch(key[len(namespace_prefix) :])
+        if match is None:
+            continue
+        rank, step = int(match["rank"]), int(match["step"])
+        if match["file"] == SHARD_FILE:
+            shards.setdefault(step, set()).add(rank)
+        elif rank == 0:
+            metadata.add(step)
+    complete = []
+    for step in metadata:
+        ranks = shards.get(step, set())
+        wanted = set(range(world_size if world_size is not None else len(ranks)))
+        if ranks and wanted <= ranks and (world_size is not None or ranks == wanted):
+            complete.append(step)
+    return sorted(complete, reverse=True)
+
+
+def trainer_steps(keys: Iterable[str], namespace_prefix: str, world_size: int | None) -> dict[int, str]:
+    """The steps the library wrote completely in either of its layouts -> that layout (the
+    default one where a step is complete in both)."""
+    listed = list(keys)
+    found = {step: LAYOUT_RAY for step in library_steps(listed, namespace_prefix, world_size, LAYOUT_RAY)}
+    found.update(
+        (step, LAYOUT_DEFAULT) for step in library_steps(listed, namespace_prefix, world_size, LAYOUT_DEFAULT)
+    )
+    return found

@@ -49,6 +49,7 @@ class CheckpointPolicy:
     in_memory_retention: int = DEFAULT_IN_MEMORY_RETENTION
     replication_factor: int = DEFAULT_REPLICATION_FACTOR
     agent_access: str = DEFAULT_AGENT_ACCESS
+    s3_layout: str | None = None  # None: the Default layout (contracts/s3layout.py)
 
     def __post_init__(self) -> None:
         errors = []
@@ -59,6 +60,8 @@ class CheckpointPolicy:
             )
         if self.s3_base_uri is None and (persist or self.s3_retention is not None):
             errors.append("PersistEverySteps, PersistEverySeconds and S3Retention need S3BaseUri")
+        if self.s3_base_uri is None and self.s3_layout is not None:
+            errors.append("S3Layout needs S3BaseUri")
         if errors:
             raise validation_error(errors)
 
@@ -75,7 +78,10 @@ class CheckpointPolicy:
         return cls.from_wire(stored or {})
 
     def to_wire(self) -> dict[str, Any]:
-        return {member: getattr(self, field) for member, field in _FIELDS.items()}
+        wire = {member: getattr(self, field) for member, field in _FIELDS.items()}
+        if wire["S3Layout"] is None:  # answered once set: the answers of before it existed stay as they were
+            del wire["S3Layout"]
+        return wire
 
     def access_document(self, checkpoint_token: str) -> dict[str, Any]:
         """The ``checkpoint_access`` member of a node policy. In Token mode it carries the
@@ -94,6 +100,7 @@ class CheckpointPolicy:
             "persist_every_steps": self.persist_every_steps,
             "persist_every_seconds": self.persist_every_seconds,
             "retention": self.s3_retention,
+            **({"layout": self.s3_layout} if self.s3_layout is not None else {}),
             "endpoint_url": endpoint.url,
             "region": endpoint.region,
         }
@@ -108,4 +115,5 @@ _FIELDS = {
     "InMemoryRetention": "in_memory_retention",
     "ReplicationFactor": "replication_factor",
     "AgentAccess": "agent_access",
+    "S3Layout": "s3_layout",
 }

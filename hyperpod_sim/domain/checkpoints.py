@@ -20,6 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
 from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, INTERNAL_S3_STEPS_ROUTE, agent_path
+from hyperpod_sim.contracts.s3layout import WRITTEN_BY_AGENTS, WRITTEN_BY_TRAINER
 from hyperpod_sim.domain.agent_client import AgentConnection, AgentUnreachable
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
 from hyperpod_sim.domain.cluster_reads import get_cluster
@@ -44,8 +45,9 @@ class StepLocation:
     step: int
     memory: dict[int, str]  # rank -> the node holding its primary copy
     replica: dict[int, list[str]]  # rank -> the nodes holding a replica
-    on_s3: bool  # committed on S3 (its marker is there)
+    on_s3: bool  # on S3: committed by the agents (its marker is there) or written whole by the trainer
     complete: bool  # every rank held in memory somewhere, or on S3
+    s3_written_by: str | None = None  # "Agents" or "Trainer" (the library's own S3 writes), when on S3
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -53,6 +55,8 @@ class StepLocation:
             "Memory": {str(rank): node for rank, node in sorted(self.memory.items())},
             "Replica": {str(rank): nodes for rank, nodes in sorted(self.replica.items())},
             "S3": self.on_s3,
+            # Marked only where the trainer wrote it (the library's own S3 writes, no marker).
+            **({"S3WrittenBy": self.s3_written_by} if self.s3_written_by == WRITTEN_BY_TRAINER else {}),
             "Complete": self.complete,
         }
 
@@ -109,7 +113,7 @@ def _steps(doc: object) -> dict[int, list[int]]:
 
 
 def _locate(
-    namespace: _Namespace, indexes: list[tuple[str, _Index]], s3_steps: set[int]
+    namespace: _Namespace, indexes: list[tuple[str, _Index]], s3_steps: dict[int, str]
 ) -> NamespaceCheckpoints:
     """Merge the agents' indexes (in ring order: the first holder of a primary copy is named)."""
     memory: dict[int, dict[int, str]] = {}
@@ -123,7 +127,7 @@ def _locate(
                 replica.setdefault(step, {}).setdefault(rank, []).append(node_id)
     everyone = set(range(namespace.num_ranks))
     steps = []
-    for step in sorted(set(memory) | set(replica) | s3_steps, reverse=True):
+    for step in sorted(set(memory) | set(replica) | set(s3_steps), reverse=True):
         held = set(memory.get(step, {})) | set(replica.get(step, {}))
         on_s3 = step in s3_steps
         steps.append(
@@ -133,6 +137,7 @@ def _locate(
                 replica=replica.get(step, {}),
                 on_s3=on_s3,
                 complete=on_s3 or everyone <= held,
+                s3_written_by=s3_steps.get(step),
             )
         )
     return NamespaceCheckpoints(namespace.name, namespace.num_ranks, namespace.steps_retained, steps)
@@ -175,7 +180,7 @@ class CheckpointCatalog:
         ]
         unreachable = [node_id for (node_id, _), found in zip(agents, answers, strict=True) if found is None]
         endpoints = [endpoint for (_, endpoint), _ in reachable]
-        s3_steps: list[set[int]] = [set() for _ in namespaces]
+        s3_steps: list[dict[int, str]] = [{} for _ in namespaces]
         if has_s3 and endpoints:
             s3_steps = list(self._pool.map(lambda ns: self._s3_steps(endpoints, ns.name, token), namespaces))
         listed = [
@@ -200,8 +205,9 @@ class CheckpointCatalog:
             return None
         return found
 
-    def _s3_steps(self, endpoints: list[str], name: str, token: str) -> set[int]:
-        """The namespace's steps committed on S3, from the first agent that answers (every agent
+    def _s3_steps(self, endpoints: list[str], name: str, token: str) -> dict[int, str]:
+        """The namespace's steps on S3 -> who wrote them (``Agents``: committed with a marker,
+        ``Trainer``: the library wrote them whole), from the first agent that answers (every agent
         of the cluster persists to the same place)."""
         for endpoint in endpoints:
             try:
@@ -213,7 +219,12 @@ class CheckpointCatalog:
                 ) as agent:
                     answer = agent.call("GET", agent_path(INTERNAL_S3_STEPS_ROUTE, namespace=name))
                 if answer.status == 200:
-                    return {int(step) for step in answer.json()["steps"]}
-            except (AgentUnreachable, ValueError, KeyError, TypeError):
+                    doc = answer.json()
+                    trainer = {int(step) for step in doc.get("trainer", [])}
+                    return {
+                        int(step): WRITTEN_BY_TRAINER if int(step) in trainer else WRITTEN_BY_AGENTS
+                        for step in doc["steps"]
+                    }
+            except (AgentUnreachable, ValueError, KeyError, TypeError, AttributeError):
                 continue
-        return set()
+        return {}

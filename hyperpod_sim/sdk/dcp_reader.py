@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from hyperpod_sim.contracts.shards import Checksum, checksum_of
+from hyperpod_sim.sdk import library_format
 from hyperpod_sim.sdk import metadata as codec
 from hyperpod_sim.sdk.agent import AgentError
 from hyperpod_sim.sdk.checkpoint_config import (
@@ -37,6 +38,7 @@ from hyperpod_sim.sdk.checkpoint_config import (
     step_of,
 )
 from hyperpod_sim.sdk.dcp_writer import TieredStorageWriter
+from hyperpod_sim.sdk.library_format import LibraryRef
 from hyperpod_sim.sdk.metadata import ShardRef, UndecodableValue
 from hyperpod_sim.sdk.s3direct import read_shard
 
@@ -53,7 +55,7 @@ class TieredStorageReader(StorageReader):
         self.config = checkpoint_config
         self.step = step
         self._client = checkpoint_config.client()
-        self.storage_data: dict[MetadataIndex, ShardRef] = {}
+        self.storage_data: dict[MetadataIndex, ShardRef | LibraryRef] = {}
         self.served_by: dict[int, str] = {}
         self.rejected: dict[int, list[str]] = {}
         self.failure: str | None = None  # why the last read failed
@@ -76,7 +78,7 @@ class TieredStorageReader(StorageReader):
         for step in candidates:
             for data, tier in self._copies(rank, step, local=True):
                 try:
-                    metadata = codec.decode(data)
+                    metadata = decode_metadata(data)
                 except ValueError as exc:
                     self._reject(rank, step, tier, str(exc))
                     continue
@@ -126,7 +128,8 @@ class TieredStorageReader(StorageReader):
     def _read_rank(self, rank: int, step: int, items: list[Any], planner: LoadPlanner) -> None:
         """Apply a rank's items from the first copy that is intact: this node's copy, mapped (its
         checksum verified before anything in it is decoded), then the others ``_copies`` yields."""
-        local = self._client.read_local(self.config.namespace, rank, step)
+        library = any(isinstance(self.storage_data[item.storage_index], LibraryRef) for item in items)
+        local = None if library else self._read_local(rank, step)
         if local is not None:
             where = f"{local.tier} (this node, mapped)"
             try:
@@ -149,6 +152,15 @@ class TieredStorageReader(StorageReader):
             self._served(rank, tier)
             return
         raise CheckpointNotFound(self._no_copy(rank, step))
+
+    def _read_local(self, rank: int, step: int) -> Any:
+        """This node's mapped copy (``AgentClient.read_local``), or None; an agent that does not
+        answer is recorded and skipped, so the other tiers (S3 directly) still serve."""
+        try:
+            return self._client.read_local(self.config.namespace, rank, step)
+        except AgentError as exc:
+            self._reject(rank, step, "agent (this node)", str(exc), integrity=False)
+            return None
 
     def _no_copy(self, rank: int, step: int) -> str:
         reasons = self.rejected.get(rank, [])
@@ -178,8 +190,12 @@ class TieredStorageReader(StorageReader):
         was verified. Non-tensor values are decoded (``decode_value``: JSON, or PyTorch's
         allow-list unpickler) and assigned only once every item of the copy has loaded."""
         size = len(data)
+        if any(isinstance(self.storage_data[item.storage_index], LibraryRef) for item in items):
+            _apply_library(items, data, planner, self.storage_data)
+            return
         for item in items:
             ref = self.storage_data[item.storage_index]
+            assert isinstance(ref, ShardRef)
             if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > size:
                 raise IntegrityError(
                     f"{item.storage_index.fqn}: bytes {ref.offset}..{ref.offset + ref.length} lie outside "
@@ -207,6 +223,7 @@ class TieredStorageReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 continue
             ref = self.storage_data[item.storage_index]
+            assert isinstance(ref, ShardRef)
             fqn = item.storage_index.fqn
             if ref.dtype is None or ref.shape is None:
                 raise IntegrityError(f"{fqn}: the metadata has no dtype or shape for a tensor")
@@ -239,7 +256,7 @@ class TieredStorageReader(StorageReader):
         node's shared memory (``local``), the agent (which tries its own copy, the other agents'
         and replicas, then S3), then S3 directly (with ``s3_tier_base_path``)."""
         if local:
-            found = self._client.read_local(self.config.namespace, rank, step)
+            found = self._read_local(rank, step)
             if found is not None:
                 try:
                     data = bytes(found.view)
@@ -260,13 +277,65 @@ class TieredStorageReader(StorageReader):
             yield remote
         if self.config.s3_tier_base_path:
             try:
-                direct = read_shard(self.config.s3_tier_base_path, self.config.namespace, rank, step)
+                direct = read_shard(
+                    self.config.s3_tier_base_path,
+                    self.config.namespace,
+                    rank,
+                    step,
+                    world_size=self.config.world_size,
+                )
             except Exception as exc:  # S3 unreachable, a marker that is not one, ...
                 why = f"{type(exc).__name__}: {str(exc)[:300]}"
                 self._reject(rank, step, "s3-direct", why, integrity=False)
                 direct = None
             if direct is not None:
                 yield direct, "s3-direct"
+
+
+def decode_metadata(data: bytes) -> Metadata:
+    """A step's metadata: hyperpod-sim's JSON, or the library's pickle through its allow-list
+    unpickler (``sdk/library_format.py``); ValueError if neither."""
+    if library_format.is_library_metadata(data):
+        return library_format.decode_metadata(data)
+    return codec.decode(data)
+
+
+def _apply_library(
+    items: list[Any], data: Any, planner: LoadPlanner, storage: dict[MetadataIndex, Any]
+) -> None:
+    """Load ``items`` from one copy of a shard the library wrote: every record (a ``torch.save``
+    of a tensor or a value) decoded with ``torch.load(weights_only=True)``, all of them before
+    anything is assigned; IntegrityError if one lies outside the shard or is refused."""
+    view = memoryview(data)
+    decoded: list[tuple[Any, Any]] = []
+    for item in items:
+        ref = storage[item.storage_index]
+        fqn = item.storage_index.fqn
+        if not isinstance(ref, LibraryRef):
+            raise IntegrityError(f"{fqn}: the metadata mixes the library's format with another")
+        if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > len(view):
+            raise IntegrityError(
+                f"{fqn}: bytes {ref.offset}..{ref.offset + ref.length} lie outside the {len(view)}-byte shard"
+            )
+        try:
+            value = library_format.load_record(view[ref.offset : ref.offset + ref.length])
+        except library_format.UndecodableLibraryData as exc:
+            raise IntegrityError(f"{fqn}: {exc}") from exc
+        if item.type != LoadItemType.BYTE_IO:
+            if not isinstance(value, torch.Tensor):
+                raise IntegrityError(f"{fqn}: the record is a {type(value).__name__}, not a tensor")
+            value = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
+        decoded.append((item, value))
+    for item, value in decoded:
+        if item.type == LoadItemType.BYTE_IO:
+            _assign(planner, item, value)
+            continue
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != value.size():
+            fqn = item.storage_index.fqn
+            raise ValueError(f"{fqn}: stored {tuple(value.size())}, wanted {tuple(target.size())}")
+        target.copy_(value)
+        planner.commit_tensor(item, target)
 
 
 def _records(data: Any, spans: list[tuple[int, int]]) -> dict[tuple[int, int], bytes]:

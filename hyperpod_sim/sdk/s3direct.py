@@ -2,8 +2,11 @@
 copy (``TieredCheckpointConfig.s3_tier_base_path``).
 
 The layout and the commit marker are the agents' (``contracts/s3layout.py``): a shard is read only
-if its step has a marker, and used only if its size and checksum match what the marker lists. The
-endpoint and credentials come from the boto3 chain (``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``).
+if its step has a marker, and used only if its size and checksum match what the marker lists. A
+step with no marker that the trainer wrote through the library itself (``save_to_s3=True``) is
+read when it is complete as the library decides (``s3layout.trainer_steps``, either layout); its objects carry
+no checksum, so what guards them is the reader's allow-list decoding (``sdk/library_format.py``).
+The endpoint and credentials come from the boto3 chain (``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import logging
 import os
 from typing import Any
 
-from hyperpod_sim.contracts.s3layout import DEFAULT_REGION, CommitMarker, S3Target
+from hyperpod_sim.contracts.s3layout import DEFAULT_REGION, CommitMarker, S3Target, trainer_steps
 from hyperpod_sim.contracts.shards import checksum_of
 
 log = logging.getLogger(__name__)
@@ -20,10 +23,14 @@ log = logging.getLogger(__name__)
 _ABSENT = ("404", "NoSuchKey", "NotFound")
 
 
-def read_shard(base_uri: str, namespace: str, rank: int, step: int) -> bytes | None:
+def read_shard(
+    base_uri: str, namespace: str, rank: int, step: int, *, world_size: int | None = None
+) -> bytes | None:
     """Rank ``rank``'s shard of ``step``, checked against the step's commit marker; None if there
-    is no marker, it lists no such rank, or the object does not match it. botocore's exceptions
-    if S3 cannot be read (after its own retries)."""
+    is no marker, it lists no such rank, or the object does not match it. Without a marker, with
+    ``world_size`` (the job's ranks; the metadata is rank ``world_size``), the shard of a step the
+    trainer wrote complete through the library; None if it is not complete. botocore's
+    exceptions if S3 cannot be read (after its own retries)."""
     import boto3
     from botocore.config import Config
 
@@ -43,7 +50,7 @@ def read_shard(base_uri: str, namespace: str, rank: int, step: int) -> bytes | N
     try:
         raw = _get(client, target.bucket, target.marker_key(namespace, step))
         if raw is None:
-            return None
+            return _trainer_written(client, target, namespace, rank, step, world_size)
         shard = CommitMarker.shard_of(raw, rank)
         if shard is None:
             return None
@@ -56,6 +63,24 @@ def read_shard(base_uri: str, namespace: str, rank: int, step: int) -> bytes | N
         return data
     finally:
         client.close()
+
+
+def _trainer_written(
+    client: Any, target: S3Target, namespace: str, rank: int, step: int, world_size: int | None
+) -> bytes | None:
+    """A shard of a step the library wrote itself, if the step is complete on S3."""
+    if world_size is None or not 0 <= rank <= world_size:
+        return None
+    prefix = target.namespace_prefix(namespace)
+    keys = (
+        str(item["Key"])
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=target.bucket, Prefix=prefix)
+        for item in page.get("Contents", [])
+    )
+    layout = trainer_steps(keys, prefix, world_size).get(step)
+    if layout is None:
+        return None
+    return _get(client, target.bucket, target.shard_key(namespace, rank, step, world_size + 1, layout=layout))
 
 
 def _get(client: Any, bucket: str, key: str) -> bytes | None:

@@ -284,3 +284,52 @@ def test_a_shard_whose_checksum_fails_is_never_decoded(
         assert load_latest(state, config).step == 2
     assert marker.exists()
     assert state["rank0"]["extra"]["step"] == "touched"
+
+
+def library_save(agent: str, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real amzn-sagemaker-checkpointing library saves ``state_at(step)`` through the agent
+    (its in-memory tier), in this process: its format, a pickled DCP Metadata and torch.save
+    records."""
+    from amzn_sagemaker_checkpointing.checkpointing.filesystem import SageMakerTieredStorageWriter
+    from amzn_sagemaker_checkpointing.config.in_memory_client import InMemoryClientConfig
+    from amzn_sagemaker_checkpointing.config.sagemaker_checkpoint_config import SageMakerCheckpointConfig
+
+    defaults = list(InMemoryClientConfig.__init__.__defaults__ or ())
+    defaults[0] = agent  # base_url, as tests/dcp_worker.py points it
+    monkeypatch.setattr(InMemoryClientConfig.__init__, "__defaults__", tuple(defaults))
+    config = SageMakerCheckpointConfig(namespace=NS, world_size=1)
+    save(state_at(step), storage_writer=SageMakerTieredStorageWriter(checkpoint_config=config, step=step))
+
+
+def test_a_pickle_planted_in_the_library_format_never_runs(
+    agent_plane: ControlPlane, sm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library's own format is pickle throughout. A step the library wrote loads (its metadata
+    through the allow-list unpickler, its records with weights_only=True); one whose metadata is a
+    ``__reduce__`` payload, or whose record of a value is one, is refused and nothing runs."""
+    (agent,) = (url(n) for n in cluster(sm, agent_plane, "libplanted", 1, instance_type="ml.g5.2xlarge"))
+    config = trainer(agent)
+    library_save(agent, 2, monkeypatch)
+    marker = tmp_path / "pwned"
+    bare, record = payloads(marker)["pickle"], payloads(marker)["torch.save"]
+    # Step 3: the library's step 2 with TARGET's record replaced by the payload, the metadata
+    # (unpickled here by the attacker, who trusts it) pointing at it; step 4: the metadata itself
+    # is the payload.
+    shard, metadata = get(agent, NS, 0, 2).content, pickle.loads(get(agent, NS, 1, 2).content)
+    index = next(i for i in metadata.storage_data if i.fqn == TARGET)
+    info = metadata.storage_data[index]
+    metadata.storage_data[index] = type(info)(rank=info.rank, offset=len(shard), length=len(record))
+    assert put(agent, NS, 0, 3, shard + record).status_code == 200
+    assert put(agent, NS, 1, 3, pickle.dumps(metadata)).status_code == 200
+    assert put(agent, NS, 0, 4, shard).status_code == 200
+    assert put(agent, NS, 1, 4, bare).status_code == 200
+    assert latest(agent, NS)[:3] == [4, 3, 2]  # (step 1 left memory: 3 steps are kept)
+
+    loaded = resume(config)
+
+    assert not marker.exists()
+    assert loaded.step == 2, loaded  # the library's step, in its format, byte for byte (resume checks)
+    assert sorted(loaded.skipped) == [3, 4]
+    assert "posix.system, which is not allowed" in loaded.skipped[4], loaded.skipped[4]
+    assert f"{TARGET}: refused by torch.load(weights_only=True)" in loaded.skipped[3], loaded.skipped[3]
+    assert not marker.exists()
