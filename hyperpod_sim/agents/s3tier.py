@@ -38,7 +38,7 @@ from urllib.parse import quote
 
 import httpx
 
-from hyperpod_sim.agents import catalog
+from hyperpod_sim.agents import catalog, s3reads
 from hyperpod_sim.agents.clock import SYSTEM_CLOCK, Clock
 from hyperpod_sim.agents.cluster import ClusterView
 from hyperpod_sim.agents.retry import Backoff
@@ -48,15 +48,12 @@ from hyperpod_sim.agents.store import CorruptShard, ShardKey, ShardStore
 from hyperpod_sim.agents.tiermodel import Namespace, TierError
 from hyperpod_sim.contracts.policy import NodePolicy, S3Policy
 from hyperpod_sim.contracts.s3layout import (
-    WRITTEN_BY_AGENTS,
-    WRITTEN_BY_TRAINER,
     CommitMarker,
     S3Target,
     ShardObject,
     step_of_key,
     trainer_steps,
 )
-from hyperpod_sim.contracts.shards import checksum_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -513,7 +510,7 @@ class S3Tier:
         except S3Unavailable as exc:
             log.warning("cannot list S3 steps of %r: %s", name, exc)
             return {}
-        return _s3_steps(target, name, keys, world_size)
+        return s3reads.written_steps(target, name, keys, world_size)
 
     async def _world_size(self, name: str) -> int | None:
         """The trainer's world size of a namespace the control plane knows (its ranks less the
@@ -537,7 +534,7 @@ class S3Tier:
         def read() -> tuple[bytes, str] | None:
             raw = objects.get(target.bucket, target.marker_key(key.namespace, key.step))
             if raw is None:
-                return _read_trainer_written(objects, target, key, world_size)
+                return s3reads.read_trainer_written(objects, target, key, world_size)
             shard = CommitMarker.shard_of(raw, key.rank)
             if shard is None:
                 return None
@@ -595,33 +592,6 @@ class S3Tier:
 
     def _left(self, deadline: float) -> float:
         return max(deadline - self._clock.monotonic(), 0.001)
-
-
-def _s3_steps(target: S3Target, name: str, keys: list[str], world_size: int | None) -> dict[int, str]:
-    """Who wrote each step of ``name`` on S3, from the keys under its prefix."""
-    marker_prefix = target.marker_prefix(name)
-    trainer = trainer_steps(keys, target.namespace_prefix(name), world_size)
-    written = dict.fromkeys(trainer, WRITTEN_BY_TRAINER)
-    for key in keys:
-        if key.startswith(marker_prefix) and (s := step_of_key(key)) is not None:
-            written[s] = WRITTEN_BY_AGENTS
-    return written
-
-
-def _read_trainer_written(
-    objects: S3Objects, target: S3Target, key: ShardKey, world_size: int | None
-) -> tuple[bytes, str] | None:
-    """A shard of a step the trainer wrote through the library (no marker), if that step is
-    complete on S3; its checksum is computed here (the library stores none)."""
-    if world_size is None:
-        return None
-    prefix = target.namespace_prefix(key.namespace)
-    layout = trainer_steps(objects.keys(target.bucket, prefix), prefix, world_size).get(key.step)
-    if layout is None:
-        return None
-    shard_key = target.shard_key(key.namespace, key.rank, key.step, world_size + 1, layout=layout)
-    data = objects.get(target.bucket, shard_key)
-    return None if data is None else (data, checksum_of(data))
 
 
 # How much lower than the agent's event loop (nice 0) S3 work runs. Linux gives each thread its own
