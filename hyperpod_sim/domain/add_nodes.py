@@ -15,12 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
-
 from hyperpod_sim.domain import cluster_rules, events
 from hyperpod_sim.domain.clock import Clock, Ids
-from hyperpod_sim.domain.errors import ResourceNotFound, ValidationException
+from hyperpod_sim.domain.cluster_reads import locked_cluster
+from hyperpod_sim.domain.errors import ValidationException
 from hyperpod_sim.domain.lifecycle import MUTABLE, GroupStatus, NodeStatus, bump_generation
 from hyperpod_sim.domain.node_operations import LAUNCH
 from hyperpod_sim.domain.nodes import new_node
@@ -63,7 +61,7 @@ class AddNodesService:
             )
         result = Additions()
         with self.db.write() as session:
-            cluster = _cluster(session, name)
+            cluster = locked_cluster(session, name)
             if cluster.extra.get("NodeProvisioningMode") != "Continuous":
                 raise ValidationException(
                     f"BatchAddClusterNodes is supported only for clusters whose NodeProvisioningMode is "
@@ -149,17 +147,3 @@ class AddNodesService:
                 f"availability zone), not in {', '.join(zones)}.",
             )
         return None
-
-
-def _cluster(session: Session, name: str) -> Cluster:
-    column = Cluster.arn if name.startswith("arn:") else Cluster.name
-    query = (
-        select(Cluster)
-        .where(column == name)
-        .options(selectinload(Cluster.nodes), selectinload(Cluster.instance_groups))
-        .with_for_update()
-    )
-    cluster = session.scalars(query).one_or_none()
-    if cluster is None:
-        raise ResourceNotFound(f"Cluster '{name}' does not exist.")
-    return cluster

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import Select, bindparam, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 from sqlalchemy.orm.interfaces import LoaderOption
 
 from hyperpod_sim.domain.errors import ResourceNotFound
@@ -87,6 +87,13 @@ def find_node(db: Database, *, cluster_id: str, node_id: str) -> Node | None:
     with db.read() as session:
         node = session.get(Node, node_id)
         return node if node is not None and node.cluster_id == cluster_id else None
+
+
+def locked_cluster(session: Session, name_or_arn: str) -> Cluster:
+    """The cluster with its nodes and groups, locked for update (a mutating operation's read)."""
+    return get_cluster(
+        session, name_or_arn, selectinload(Cluster.nodes), selectinload(Cluster.instance_groups), lock=True
+    )
 
 
 def describe(db: Database, name: str) -> tuple[Cluster, dict[str, int]]:

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 
 from hyperpod_sim.domain import credentials, events, faults
 from hyperpod_sim.domain.clock import Clock, Ids
-from hyperpod_sim.domain.errors import ResourceNotFound, ValidationException
+from hyperpod_sim.domain.cluster_reads import locked_cluster
+from hyperpod_sim.domain.errors import ValidationException
 from hyperpod_sim.domain.events import Level
 from hyperpod_sim.domain.lifecycle import MUTABLE, NodeStatus, bump_generation
 from hyperpod_sim.domain.nodes import fail_node
@@ -48,7 +48,7 @@ class HealthCheckService:
     def start(self, *, name: str, configurations: list[dict[str, Any]]) -> Cluster:
         now = self.clock.now()
         with self.db.write() as session:
-            cluster = _cluster(session, name)
+            cluster = locked_cluster(session, name)
             if cluster.status not in MUTABLE:
                 raise ValidationException(
                     f"Cluster '{cluster.name}' is {cluster.status}; deep health checks start only while it "
@@ -93,20 +93,6 @@ class HealthCheckService:
                 )
         self.on_change()
         return cluster
-
-
-def _cluster(session: Session, name: str) -> Cluster:
-    column = Cluster.arn if name.startswith("arn:") else Cluster.name
-    query = (
-        select(Cluster)
-        .where(column == name)
-        .options(selectinload(Cluster.nodes), selectinload(Cluster.instance_groups))
-        .with_for_update()
-    )
-    cluster = session.scalars(query).one_or_none()
-    if cluster is None:
-        raise ResourceNotFound(f"Cluster '{name}' does not exist.")
-    return cluster
 
 
 def finish_health_checks(session: Session, cluster: Cluster, now: datetime, *, ids: Ids) -> Outcome:

@@ -31,12 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 
 from hyperpod_sim.domain import credentials, events, faults
 from hyperpod_sim.domain.clock import Clock, Ids
-from hyperpod_sim.domain.errors import ResourceNotFound, ValidationException
+from hyperpod_sim.domain.cluster_reads import locked_cluster
+from hyperpod_sim.domain.errors import ValidationException
 from hyperpod_sim.domain.events import Level
 from hyperpod_sim.domain.lifecycle import MUTABLE, NodeStatus, bump_generation
 from hyperpod_sim.domain.outcome import Outcome
@@ -104,7 +104,7 @@ class NodeOperations:
         by_id, by_logical = NodeResults(), NodeResults()
         replaced = False
         with self.db.write() as session:
-            cluster = self._cluster(session, name)
+            cluster = locked_cluster(session, name)
             if node_logical_ids and cluster.extra.get("NodeProvisioningMode") != "Continuous":
                 raise ValidationException(
                     f"NodeLogicalIds are supported only for clusters whose NodeProvisioningMode is "
@@ -130,20 +130,6 @@ class NodeOperations:
                 bump_generation(cluster)  # the replica ring changed
         self.on_change()
         return by_id, by_logical
-
-    @staticmethod
-    def _cluster(session: Session, name: str) -> Cluster:
-        column = Cluster.arn if name.startswith("arn:") else Cluster.name
-        query = (
-            select(Cluster)
-            .where(column == name)
-            .options(selectinload(Cluster.nodes), selectinload(Cluster.instance_groups))
-            .with_for_update()
-        )
-        cluster = session.scalars(query).one_or_none()
-        if cluster is None:
-            raise ResourceNotFound(f"Cluster '{name}' does not exist.")
-        return cluster
 
     # ------------------------------------------------------------------ per node
 

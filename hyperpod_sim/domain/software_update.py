@@ -31,13 +31,13 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
 from hyperpod_sim.domain.clock import Clock, Ids
-from hyperpod_sim.domain.errors import ConflictException, ResourceNotFound, ValidationException
+from hyperpod_sim.domain.cluster_reads import locked_cluster
+from hyperpod_sim.domain.errors import ConflictException, ValidationException
 from hyperpod_sim.domain.lifecycle import LIVE, MUTABLE, ClusterStatus, NodeStatus
 from hyperpod_sim.domain.node_operations import SOFTWARE_UPDATE
 from hyperpod_sim.domain.nodes import fail_node
@@ -77,7 +77,7 @@ class SoftwareUpdateService:
     ) -> Cluster:
         now = self.clock.now()
         with self.db.write() as session:
-            cluster = _cluster(session, name)
+            cluster = locked_cluster(session, name)
             if cluster.status not in MUTABLE:
                 raise ConflictException(
                     f"Cluster '{cluster.name}' is {cluster.status}; UpdateClusterSoftware is accepted only "
@@ -121,20 +121,6 @@ class SoftwareUpdateService:
             )
         self.on_change()
         return cluster
-
-
-def _cluster(session: Session, name: str) -> Cluster:
-    column = Cluster.arn if name.startswith("arn:") else Cluster.name
-    query = (
-        select(Cluster)
-        .where(column == name)
-        .options(selectinload(Cluster.nodes), selectinload(Cluster.instance_groups))
-        .with_for_update()
-    )
-    cluster = session.scalars(query).one_or_none()
-    if cluster is None:
-        raise ResourceNotFound(f"Cluster '{name}' does not exist.")
-    return cluster
 
 
 def _versions(cluster: Cluster, instance_groups: list[dict[str, Any]] | None) -> dict[str, str]:
