@@ -20,7 +20,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from hyperpod_sim.domain import credentials, events, faults
+from hyperpod_sim.domain import credentials, events, faults, operations
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.cluster_reads import locked_cluster
 from hyperpod_sim.domain.errors import ValidationException
@@ -90,6 +90,26 @@ class HealthCheckService:
                     now=now,
                     cluster=cluster,
                     description=f"Deep health checks started on node {node.id}: {', '.join(checks)}.",
+                )
+            if chosen:
+                operations.start_operation(
+                    session,
+                    ids=self.ids,
+                    now=now,
+                    cluster=cluster,
+                    type=operations.OperationType.DEEP_HEALTH_CHECK,
+                    requested_by="StartClusterHealthCheck",
+                    node_ids=list(chosen),
+                    health_checks=[
+                        {
+                            "InstanceGroupName": config["InstanceGroupName"],
+                            "InstanceIds": [
+                                n for n in chosen if nodes[n].group_name == config["InstanceGroupName"]
+                            ],
+                            "DeepHealthChecks": config["DeepHealthChecks"],
+                        }
+                        for config in configurations
+                    ],
                 )
         self.on_change()
         return cluster

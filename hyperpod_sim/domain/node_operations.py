@@ -33,12 +33,13 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
-from hyperpod_sim.domain import credentials, events, faults
+from hyperpod_sim.domain import credentials, events, faults, operations
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.cluster_reads import locked_cluster
 from hyperpod_sim.domain.errors import ValidationException
 from hyperpod_sim.domain.events import Level
 from hyperpod_sim.domain.lifecycle import MUTABLE, NodeStatus, bump_generation
+from hyperpod_sim.domain.operations import OperationType
 from hyperpod_sim.domain.outcome import Outcome
 from hyperpod_sim.domain.provisioning import Provisioner
 from hyperpod_sim.models import Cluster, Database, Node
@@ -128,6 +129,23 @@ class NodeOperations:
                     result.successful.append(key)
             if replaced:
                 bump_generation(cluster)  # the replica ring changed
+            acted = [
+                n.id
+                for n in cluster.nodes
+                if n.id in by_id.successful or n.logical_id in by_logical.successful
+            ]
+            if acted:
+                operations.start_operation(
+                    session,
+                    ids=self.ids,
+                    now=now,
+                    cluster=cluster,
+                    type=OperationType.REPLACE if verb == "replaced" else OperationType.REBOOT,
+                    requested_by="BatchReplaceClusterNodes"
+                    if verb == "replaced"
+                    else "BatchRebootClusterNodes",
+                    node_ids=acted,
+                )
         self.on_change()
         return by_id, by_logical
 

@@ -8,8 +8,9 @@ does so when a scaling request replaces one under way. While an operation is the
 current one, every event recorded for the cluster carries its id (ListClusterEvents' OperationId).
 
 Who records one: CreateCluster, UpdateCluster and DeleteCluster (``Scaling``, over the groups),
-BatchDeleteClusterNodes (``Scaling``, over the deleted nodes); the node operations record theirs
-(reboot, replace, software update, deep health check) with the same two functions.
+BatchDeleteClusterNodes (``Scaling``, over the deleted nodes), BatchRebootClusterNodes,
+BatchReplaceClusterNodes, UpdateClusterSoftware and StartClusterHealthCheck (over the nodes they
+act on). :func:`settle` ends each once its work is done.
 
 Types: the model's ClusterOperationType has ``Scaling`` and ``DeepHealthCheck``; node
 operations without a model type use hyperpod-sim's own (``OperationType``), returned as they
@@ -220,12 +221,27 @@ def settle(session: Session, *, cluster: Cluster, now: datetime) -> None:
     if operation is None:
         cluster.operation_id = None
         return
-    if operation.type != OperationType.SCALING:
-        return  # node operations end when their own code says so (finish_operation)
     waiting = set(operation.node_ids)
-    if any(n.id in waiting and n.status == NodeStatus.SHUTTING_DOWN for n in cluster.nodes):
-        return
-    finish_operation(session, now=now, cluster=cluster, operation_id=operation.id)
+    if operation.type == OperationType.SCALING:
+        busy = any(n.id in waiting and n.status == NodeStatus.SHUTTING_DOWN for n in cluster.nodes)
+    else:
+        # A node operation (reboot, replace, software update, deep health check) is over once none
+        # of its nodes has work left and every node of the cluster is settled: a rebooted node
+        # back Running, a replaced one gone and its replacement Running, no batch still updating.
+        busy = cluster.software_update is not None or any(
+            (n.id in waiting and n.pending_action is not None) or n.status in _UNSETTLED
+            for n in cluster.nodes
+        )
+    if not busy:
+        finish_operation(session, now=now, cluster=cluster, operation_id=operation.id)
+
+
+_UNSETTLED = (
+    NodeStatus.PENDING,
+    NodeStatus.SHUTTING_DOWN,
+    NodeStatus.SYSTEM_UPDATING,
+    NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+)
 
 
 # ---------------------------------------------------------------------- reads

@@ -33,7 +33,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from hyperpod_sim.domain import events
+from hyperpod_sim.domain import events, operations
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.cluster_reads import locked_cluster
@@ -118,6 +118,15 @@ class SoftwareUpdateService:
                 now=now,
                 description=f"Software update started: {described}; {len(nodes)} nodes in {len(batches)} "
                 f"batches{alarm_note}.",
+            )
+            operations.start_operation(
+                session,
+                ids=self.ids,
+                now=now,
+                cluster=cluster,
+                type=operations.OperationType.SOFTWARE_UPDATE,
+                requested_by="UpdateClusterSoftware",
+                node_ids=[n.id for n in nodes],
             )
         self.on_change()
         return cluster
