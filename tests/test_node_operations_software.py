@@ -173,3 +173,28 @@ def test_validation(control_plane: ControlPlane, sm: Any) -> None:
     (failed,) = sm.batch_reboot_cluster_nodes(ClusterName="v", NodeIds=[node])["Failed"]
     assert failed["ErrorCode"] == "InvalidInstanceStatus"
     batches_seen(control_plane, sm, "v")
+
+
+def test_image_versions_show_the_update_under_way_and_after(control_plane: ControlPlane, sm: Any) -> None:
+    """What DescribeCluster and the nodes say about the release: the update's target as desired
+    (UpdateAvailable) while it runs, with its deployment config; the new release as current after."""
+    in_service(control_plane, sm, "shown", group(count=2, ImageReleaseVersion=INITIAL_RELEASE))
+    sm.update_cluster_software(ClusterName="shown", DeploymentConfig=by_count(1, WaitIntervalInSeconds=30))
+    (workers,) = sm.describe_cluster(ClusterName="shown")["InstanceGroups"]
+    assert workers["CurrentImageReleaseVersion"] == INITIAL_RELEASE
+    assert workers["DesiredImageReleaseVersion"] == LATEST_RELEASE
+    assert workers["ImageVersionStatus"] == "UpdateAvailable"
+    assert workers["SoftwareUpdateStatus"] == "InProgress"
+    assert workers["ActiveSoftwareUpdateConfig"] == by_count(1, WaitIntervalInSeconds=30)
+    batches_seen(control_plane, sm, "shown")
+    (workers,) = sm.describe_cluster(ClusterName="shown")["InstanceGroups"]
+    assert (workers["CurrentImageReleaseVersion"], workers["DesiredImageReleaseVersion"]) == (
+        LATEST_RELEASE,
+        LATEST_RELEASE,
+    )
+    assert workers["ImageVersionStatus"] == "UpToDate"
+    assert "SoftwareUpdateStatus" not in workers
+    for node_id in statuses(sm, "shown"):
+        details = sm.describe_cluster_node(ClusterName="shown", NodeId=node_id)["NodeDetails"]
+        assert details["CurrentImageReleaseVersion"] == LATEST_RELEASE
+        assert "LastSoftwareUpdateTime" in details

@@ -290,12 +290,14 @@ def node_operations(cp: ControlPlane, sm: Any) -> None:
     checking = sm.list_cluster_nodes(ClusterName="ops")["ClusterNodeSummaries"]
     sm.describe_cluster_node(ClusterName="ops", NodeId=checking[0]["InstanceId"])
     cp.settle(sm, "ops")
-    sm.update_cluster_software(ClusterName="ops")
+    sm.update_cluster_software(ClusterName="ops", DeploymentConfig=DEPLOYMENT)
     cp.settle(sm, "ops", "SystemUpdating")
-    sm.describe_cluster(ClusterName="ops")
+    sm.describe_cluster(ClusterName="ops")  # SoftwareUpdateStatus, ActiveSoftwareUpdateConfig
     for node in sm.list_cluster_nodes(ClusterName="ops")["ClusterNodeSummaries"]:
         sm.describe_cluster_node(ClusterName="ops", NodeId=node["InstanceId"])
     cp.settle(sm, "ops")
+    for node in sm.list_cluster_nodes(ClusterName="ops")["ClusterNodeSummaries"]:  # LastSoftwareUpdateTime
+        sm.describe_cluster_node(ClusterName="ops", NodeId=node["InstanceId"])
 
 
 def missing_members(operation: str, seen: set[str]) -> tuple[list[str], set[str]]:

@@ -26,14 +26,6 @@ _SCALING_STATUSES = frozenset({"Creating", "Updating"})
 
 NOT_RETURNED: dict[str, str] = {
     # "Shape.Member": why hyperpod-sim does not return it.
-    "ClusterInstanceGroupDetails.SoftwareUpdateStatus": (
-        "set only while UpdateClusterSoftware runs, which this build does not serve yet"
-    ),
-    "ClusterInstanceGroupDetails.ActiveSoftwareUpdateConfig": (
-        "set only while UpdateClusterSoftware runs, which this build does not serve yet"
-    ),
-    "ClusterNodeSummary.LastSoftwareUpdateTime": "no node has had a software update (UpdateClusterSoftware)",
-    "ClusterNodeDetails.LastSoftwareUpdateTime": "no node has had a software update (UpdateClusterSoftware)",
     "ClusterNodeSummary.UltraServerInfo": "no UltraServer instance types are simulated",
     "ClusterNodeDetails.UltraServerInfo": "no UltraServer instance types are simulated",
     "ClusterNodeDetails.PrivatePrimaryIpv6": "simulated nodes have IPv4 loopback-range addresses only",
@@ -85,14 +77,36 @@ def storable(value: Any) -> Any:
     return value
 
 
-def image_release(spec: dict[str, Any]) -> dict[str, Any]:
-    """Current/DesiredImageReleaseVersion from the group's ``ImageReleaseVersion`` (the same
-    until a software update changes the desired one), with its ImageVersionStatus."""
-    out: dict[str, Any] = {"ImageVersionStatus": IMAGE_UP_TO_DATE}
-    version = spec.get("ImageReleaseVersion")
-    if version is not None:
-        out["CurrentImageReleaseVersion"] = out["DesiredImageReleaseVersion"] = version
+def image_release(current: str | None, desired: str | None = None) -> dict[str, Any]:
+    """Current/DesiredImageReleaseVersion (the group's ``ImageReleaseVersion``, or what a software
+    update installed; ``desired``: the version an UpdateClusterSoftware under way installs), with
+    the ImageVersionStatus: UpdateAvailable while they differ."""
+    desired = desired or current
+    out: dict[str, Any] = {
+        "ImageVersionStatus": IMAGE_UP_TO_DATE if desired == current else "UpdateAvailable"
+    }
+    if current is not None:
+        out["CurrentImageReleaseVersion"] = current
+    if desired is not None:
+        out["DesiredImageReleaseVersion"] = desired
     return out
+
+
+def updating_to(update: dict[str, Any] | None, group_name: str) -> str | None:
+    """The release the software update under way (``cluster.software_update``) installs on the
+    group, or None."""
+    version: str | None = (update or {}).get("Versions", {}).get(group_name)
+    return version
+
+
+def active_update_config(update: dict[str, Any]) -> dict[str, Any]:
+    """ActiveSoftwareUpdateConfig: the DeploymentConfig of the update under way, as it was given."""
+    config: dict[str, Any] = {"WaitIntervalInSeconds": update.get("WaitIntervalInSeconds", 0)}
+    if update.get("MaximumBatchSize"):
+        config["RollingUpdatePolicy"] = {"MaximumBatchSize": update["MaximumBatchSize"]}
+    if update.get("Alarms"):
+        config["AutoRollbackConfiguration"] = [{"AlarmName": alarm} for alarm in update["Alarms"]]
+    return config
 
 
 def kubernetes_details(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -123,10 +137,20 @@ def auto_patch_details(spec: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
-def group_state(group: InstanceGroup, running: int, by_type: dict[str, int]) -> dict[str, Any]:
-    """Members of ClusterInstanceGroupDetails that describe the group's state."""
+def group_state(
+    group: InstanceGroup, running: int, by_type: dict[str, int], update: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Members of ClusterInstanceGroupDetails that describe the group's state (``update``: the
+    cluster's software update under way, if any)."""
     spec = group.spec
-    out: dict[str, Any] = {**image_release(spec), "TargetStateCount": running}
+    target = updating_to(update, group.name)
+    out: dict[str, Any] = {
+        **image_release(spec.get("ImageReleaseVersion"), target),
+        "TargetStateCount": running,
+    }
+    if update is not None and target is not None:
+        out["SoftwareUpdateStatus"] = "InProgress"
+        out["ActiveSoftwareUpdateConfig"] = active_update_config(update)
     if group.status in _SCALING_STATUSES:
         out["ActiveOperations"] = {"Scaling": 1}
     if "TrainingPlanArn" in spec:
@@ -148,9 +172,15 @@ def capacity_type(spec: dict[str, Any]) -> str:
     return "Spot" if "Spot" in (spec.get("CapacityRequirements") or {}) else "OnDemand"
 
 
-def node_state(spec: dict[str, Any], *, details: bool) -> dict[str, Any]:
-    """Members of ClusterNodeSummary (``details``: ClusterNodeDetails) taken from the node's group."""
-    release = image_release(spec)
+def node_state(
+    spec: dict[str, Any], *, details: bool, node: Node | None = None, update: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Members of ClusterNodeSummary (``details``: ClusterNodeDetails) taken from the node's group
+    and its software updates (``update``: the cluster's under way, if any)."""
+    current = (node.image_version if node is not None else None) or spec.get("ImageReleaseVersion")
+    release = image_release(current, updating_to(update, node.group_name) if node is not None else None)
+    if node is not None and node.last_software_update is not None:
+        release["LastSoftwareUpdateTime"] = node.last_software_update
     if not details:
         release.pop("DesiredImageReleaseVersion", None)
         return release

@@ -41,7 +41,9 @@ def _members(shape_name: str) -> frozenset[str]:
     return frozenset(shapes.service_model().shape_for(shape_name).members)
 
 
-def _group_details(group: InstanceGroup, running: int, by_type: dict[str, int]) -> dict[str, Any]:
+def _group_details(
+    group: InstanceGroup, running: int, by_type: dict[str, int], update: dict[str, Any] | None = None
+) -> dict[str, Any]:
     shape = "ClusterRestrictedInstanceGroupDetails" if group.restricted else "ClusterInstanceGroupDetails"
     spec = group.spec
     out: dict[str, Any] = {
@@ -61,7 +63,7 @@ def _group_details(group: InstanceGroup, running: int, by_type: dict[str, int]) 
         renamed["CurrentImageId"] = renamed["DesiredImageId"] = spec["ImageId"]
     renamed["KubernetesConfig"] = members.kubernetes_details(spec)
     renamed["AutoPatchConfig"] = members.auto_patch_details(spec)
-    renamed.update(members.group_state(group, running, by_type))
+    renamed.update(members.group_state(group, running, by_type, update))
     allowed = _members(shape)
     for key, value in spec.items():
         if key in allowed and key not in out and key not in _RENAMED_GROUP_MEMBERS:
@@ -81,7 +83,7 @@ def _cluster_description(
     restricted = [g for g in cluster.instance_groups if g.restricted]
 
     def details(g: InstanceGroup) -> dict[str, Any]:
-        return _group_details(g, running.get(g.name, 0), by_type.get(g.name, {}))
+        return _group_details(g, running.get(g.name, 0), by_type.get(g.name, {}), cluster.software_update)
 
     out: dict[str, Any] = {
         "ClusterArn": cluster.arn,
@@ -150,9 +152,16 @@ def _agent_status(node: Node) -> dict[str, Any] | None:
     }
 
 
-def _node_summary(node: Node, region: str, *, logical_ids: bool, spec: dict[str, Any]) -> dict[str, Any]:
+def _node_summary(
+    node: Node,
+    region: str,
+    *,
+    logical_ids: bool,
+    spec: dict[str, Any],
+    update: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     out: dict[str, Any] = {
-        **members.node_state(spec, details=False),
+        **members.node_state(spec, details=False, node=node, update=update),
         "AgentStatus": _agent_status(node),
         "InstanceGroupName": node.group_name,
         "InstanceId": node.id,
@@ -169,8 +178,9 @@ def _node_summary(node: Node, region: str, *, logical_ids: bool, spec: dict[str,
 def _node_details(node: Node, cluster: Cluster, region: str) -> dict[str, Any]:
     group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
     spec = group.spec if group is not None else {}
-    out = _node_summary(node, region, logical_ids=True, spec=spec)
-    out.update(members.node_state(spec, details=True))
+    update = cluster.software_update
+    out = _node_summary(node, region, logical_ids=True, spec=spec, update=update)
+    out.update(members.node_state(spec, details=True, node=node, update=update))
     if out["AgentStatus"] is not None:
         out["AgentStatus"]["DesiredPolicyGeneration"] = cluster.generation
     for key in ("LifeCycleConfig", "ThreadsPerCore", "InstanceStorageConfigs", "OverrideVpcConfig"):
@@ -292,7 +302,13 @@ def list_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
     specs = {g.name: g.spec for g in cluster.instance_groups}
     return {
         "ClusterNodeSummaries": [
-            _node_summary(n, region, logical_ids=logical, spec=specs.get(n.group_name, {}))
+            _node_summary(
+                n,
+                region,
+                logical_ids=logical,
+                spec=specs.get(n.group_name, {}),
+                update=cluster.software_update,
+            )
             for n in page.items
         ],
         "NextToken": page.next_token,

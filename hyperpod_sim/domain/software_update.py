@@ -225,6 +225,9 @@ def roll(
             outcome.changed = True
     if index + 1 >= len(plan["Batches"]):
         cluster.software_update = None
+        for group in cluster.instance_groups:  # what DescribeCluster shows as current from now on
+            if group.name in plan["Versions"]:
+                group.spec = {**group.spec, "ImageReleaseVersion": plan["Versions"][group.name]}
         cluster.updated_time = now
         events.move(
             session,
