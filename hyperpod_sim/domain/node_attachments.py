@@ -23,6 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hyperpod_sim.domain.clock import Clock
+from hyperpod_sim.domain.cluster_reads import get_cluster
 from hyperpod_sim.domain.errors import ResourceNotFound, ValidationException
 from hyperpod_sim.domain.lifecycle import ClusterStatus, NodeStatus
 from hyperpod_sim.models import Cluster, Database, InstanceGroup, Node, NodeAttachment
@@ -41,12 +42,7 @@ class AttachmentService:
     def _node(
         self, session: Session, name_or_arn: str, node_id: str, *, volumes: bool
     ) -> tuple[Cluster, Node]:
-        column = Cluster.arn if name_or_arn.startswith("arn:") else Cluster.name
-        cluster = session.scalars(
-            select(Cluster).where(column == name_or_arn).with_for_update()
-        ).one_or_none()
-        if cluster is None:
-            raise ResourceNotFound(f"Cluster '{name_or_arn}' does not exist.")
+        cluster = get_cluster(session, name_or_arn, lock=True)
         if volumes and (not cluster.orchestrator or "Eks" not in cluster.orchestrator):
             raise ValidationException(
                 f"Cluster '{cluster.name}' is not orchestrated by EKS; volumes can be attached to nodes of "

@@ -28,6 +28,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hyperpod_sim.domain.clock import Ids
+from hyperpod_sim.domain.cluster_reads import get_cluster
 from hyperpod_sim.domain.errors import ResourceNotFound
 from hyperpod_sim.domain.lifecycle import ClusterStatus, NodeStatus
 from hyperpod_sim.domain.pages import Page, paginate
@@ -247,17 +248,9 @@ _UNSETTLED = (
 # ---------------------------------------------------------------------- reads
 
 
-def _cluster(session: Session, name_or_arn: str) -> Cluster:
-    column = Cluster.arn if name_or_arn.startswith("arn:") else Cluster.name
-    cluster = session.scalars(select(Cluster).where(column == name_or_arn)).one_or_none()
-    if cluster is None:
-        raise ResourceNotFound(f"Cluster '{name_or_arn}' does not exist.")
-    return cluster
-
-
 def describe_operation(db: Database, *, name: str, operation_id: str) -> tuple[Cluster, ClusterOperation]:
     with db.read() as session:
-        cluster = _cluster(session, name)
+        cluster = get_cluster(session, name)
         operation = session.get(ClusterOperation, operation_id)
         if operation is None or operation.cluster_id != cluster.id:
             raise ResourceNotFound(f"Operation '{operation_id}' does not exist in cluster '{cluster.name}'.")
@@ -279,7 +272,7 @@ def list_operations(
     """The cluster's operations, newest first unless ``sort_order`` is Ascending (the only sort
     key is CreationTime)."""
     with db.read() as session:
-        cluster = _cluster(session, name)
+        cluster = get_cluster(session, name)
         query = select(ClusterOperation).where(ClusterOperation.cluster_id == cluster.id)
         if status:
             query = query.where(ClusterOperation.status == status)
