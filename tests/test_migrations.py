@@ -12,11 +12,12 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, select, text
 
-from hyperpod_sim.models import Base, Cluster, Database, Node
+from hyperpod_sim.models import Base, ClientToken, Cluster, Database, Node
 from hyperpod_sim.models.db import alembic_config
 
 TABLES = {
     "checkpoint_namespaces",
+    "client_tokens",
     "cluster_events",
     "cluster_extensions",
     "cluster_operations",
@@ -194,3 +195,55 @@ def test_0006_node_s3_status(db: Database, database_url: str) -> None:
         node = session.get(Node, "i-0123456789abcdef0")
         assert node is not None
         assert node.s3_status is None
+
+
+def test_0012_moves_extension_tokens(db: Database, database_url: str) -> None:
+    """0012 moves cluster_extensions.client_token into client_tokens, which CreateClusterExtension
+    reads; its downgrade moves them back."""
+    config = alembic_config(database_url)
+    command.upgrade(config, "0011_nodeops")
+    add_cluster(db, "ext")
+    insert = text(
+        "INSERT INTO cluster_extensions (id, arn, cluster_id, name, version, configuration, phase, "
+        "client_token, creation_time, last_modified_time, tags) VALUES (:id, :arn, 'ext', :name, "
+        "'1.0.0', :configuration, 'Active', :token, :now, :now, '[]')"
+    )
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    with db.engine.begin() as conn:
+        conn.execute(
+            insert,
+            {
+                "id": "e1",
+                "arn": "arn:e1",
+                "name": "sagemaker-observability",
+                "configuration": '{"a": 1}',
+                "token": "t1",
+                "now": now,
+            },
+        )
+        conn.execute(
+            insert,
+            {"id": "e2", "arn": "arn:e2", "name": "other", "configuration": None, "token": None, "now": now},
+        )
+
+    command.upgrade(config, "head")
+    assert schema_diff(db) == []
+    with db.read() as session:
+        kept = session.scalars(select(ClientToken)).one()
+        assert (kept.cluster_id, kept.operation, kept.token, kept.result) == (
+            "ext",
+            "CreateClusterExtension",
+            "t1",
+            {"ExtensionId": "e1"},
+        )
+        assert kept.parameters == {
+            "ExtensionName": "sagemaker-observability",
+            "ExtensionVersion": "1.0.0",
+            "ConfigurationValues": {"a": 1},
+        }
+        assert kept.creation_time == now
+
+    command.downgrade(config, "0011_nodeops")
+    with db.engine.connect() as conn:
+        rows = conn.execute(text("SELECT id, client_token FROM cluster_extensions ORDER BY id")).all()
+    assert [tuple(row) for row in rows] == [("e1", "t1"), ("e2", None)]

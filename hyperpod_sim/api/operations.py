@@ -394,7 +394,9 @@ def batch_add_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
         max_instances=svc.config.max_instances_per_cluster,
         on_change=svc.on_change,
     )
-    result = service.batch_add(name=p["ClusterName"], nodes_to_add=p["NodesToAdd"])
+    result = service.batch_add(
+        name=p["ClusterName"], nodes_to_add=p["NodesToAdd"], client_token=p.get("ClientToken")
+    )
     return {"Successful": result.successful, "Failed": result.failed}
 
 

@@ -5,8 +5,13 @@ UpdateCluster for scaling operations").
 The nodes are made in the request's transaction (Pending, with their logical ids, the group's
 target count raised by as many); the reconciler starts their agents (``node_operations.LAUNCH``).
 The cluster stays InService: in continuous provisioning nodes come and go without a cluster update.
-Per group, what cannot be added is answered in ``Failed`` with the model's error codes. Not done
-here: ``ClientToken`` idempotency (a retried request adds its nodes again).
+Per group, what cannot be added is answered in ``Failed`` with the model's error codes.
+
+``ClientToken`` (domain/client_tokens.py): a retry with the same token and NodesToAdd within 8
+hours adds nothing and answers the first request's ``Successful`` and ``Failed``, each added
+node with its status now (``NotFound`` once it is gone); the same token with other NodesToAdd is
+a ValidationException (the model lists no error of its own for it: ResourceNotFound and
+ResourceLimitExceeded only).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyperpod_sim.domain import cluster_rules, events
+from hyperpod_sim.domain import client_tokens, cluster_rules, events
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.cluster_reads import locked_cluster
 from hyperpod_sim.domain.errors import ValidationException
@@ -25,6 +30,7 @@ from hyperpod_sim.domain.nodes import new_node
 from hyperpod_sim.models import Cluster, Database, InstanceGroup
 
 MAX_NODES_PER_REQUEST = 50
+OPERATION = "BatchAddClusterNodes"
 
 
 @dataclass
@@ -53,7 +59,9 @@ class AddNodesService:
         self.max_instances = max_instances
         self.on_change = on_change
 
-    def batch_add(self, *, name: str, nodes_to_add: list[dict[str, Any]]) -> Additions:
+    def batch_add(
+        self, *, name: str, nodes_to_add: list[dict[str, Any]], client_token: str | None = None
+    ) -> Additions:
         total = sum(spec["IncrementTargetCountBy"] for spec in nodes_to_add)
         if total > MAX_NODES_PER_REQUEST:
             raise ValidationException(
@@ -62,6 +70,19 @@ class AddNodesService:
         result = Additions()
         with self.db.write() as session:
             cluster = locked_cluster(session, name)
+            now = self.clock.now()
+            parameters = {"NodesToAdd": nodes_to_add}
+            earlier = client_tokens.earlier(
+                session,
+                cluster=cluster,
+                operation=OPERATION,
+                token=client_token,
+                parameters=parameters,
+                now=now,
+                mismatch=ValidationException,
+            )
+            if earlier is not None:
+                return self._replayed(cluster, earlier.result)
             if cluster.extra.get("NodeProvisioningMode") != "Continuous":
                 raise ValidationException(
                     f"BatchAddClusterNodes is supported only for clusters whose NodeProvisioningMode is "
@@ -70,7 +91,6 @@ class AddNodesService:
             live = sum(1 for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN)
             cluster_rules.check_instance_limit(live + total, self.max_instances)
             groups = {g.name: g for g in cluster.instance_groups}
-            now = self.clock.now()
             for spec in nodes_to_add:
                 group = groups.get(spec["InstanceGroupName"])
                 refusal = self._refusal(cluster, group, spec)
@@ -103,8 +123,29 @@ class AddNodesService:
                 )
             if result.successful:
                 bump_generation(cluster)  # the replica ring grew
+            client_tokens.remember(
+                session,
+                cluster=cluster,
+                operation=OPERATION,
+                token=client_token,
+                parameters=parameters,
+                result={"Successful": result.successful, "Failed": result.failed},
+                now=now,
+            )
         self.on_change()
         return result
+
+    @staticmethod
+    def _replayed(cluster: Cluster, answered: dict[str, Any]) -> Additions:
+        """The first request's answer, each node it added with its status now."""
+        status: dict[str, str] = {node.logical_id: node.status for node in cluster.nodes}
+
+        def now_of(entry: dict[str, Any]) -> dict[str, Any]:
+            return {**entry, "Status": status.get(entry["NodeLogicalId"], "NotFound")}
+
+        return Additions(
+            successful=[now_of(entry) for entry in answered["Successful"]], failed=list(answered["Failed"])
+        )
 
     def _refusal(
         self, cluster: Cluster, group: InstanceGroup | None, spec: dict[str, Any]

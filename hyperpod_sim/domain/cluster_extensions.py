@@ -11,7 +11,8 @@ against the extension's definition, which only HyperPod has (docs/cluster-operat
 Rules kept as HyperPod documents them: a Slurm cluster with NodeProvisioningMode Continuous, one
 extension of a name per cluster (ResourceInUse), no update to an earlier version, an update's
 ConfigurationValues merged into the current ones (a null removes a setting), a ClientToken
-repeated with the same parameters answers the first request's extension and with others fails.
+repeated within 8 hours with the same parameters answers the first request's extension (unless
+it was deleted since) and with others fails (domain/client_tokens.py).
 Deleting removes the extension at once (nothing is left on the nodes to remove).
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from hyperpod_sim.domain import client_tokens
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.errors import ConflictException, ResourceInUse, ResourceNotFound, ValidationException
 from hyperpod_sim.domain.lifecycle import LIVE, NodeStatus
@@ -36,6 +38,7 @@ CATALOG: dict[str, tuple[str, ...]] = {
     "sagemaker-observability": ("1.1.0", "1.0.0"),
 }
 ACTIVE = "Active"
+OPERATION = "CreateClusterExtension"
 
 
 @dataclass(frozen=True)
@@ -117,24 +120,25 @@ class ExtensionService:
         now = self.clock.now()
         with self.db.write() as session:
             cluster = self._cluster(session, cluster_arn)
-            if client_token is not None:
-                earlier = session.scalars(
-                    select(ClusterExtension).where(
-                        ClusterExtension.cluster_id == cluster.id,
-                        ClusterExtension.client_token == client_token,
-                    )
-                ).one_or_none()
-                if earlier is not None:
-                    same = (earlier.name, earlier.version, earlier.configuration) == (
-                        name,
-                        version or offered[0],
-                        configuration,
-                    )
-                    if not same:
-                        raise ConflictException(
-                            f"ClientToken '{client_token}' was used with different parameters."
-                        )
-                    return earlier
+            parameters = {
+                "ExtensionName": name,
+                "ExtensionVersion": version or offered[0],
+                "ConfigurationValues": configuration,
+            }
+            earlier = client_tokens.earlier(
+                session,
+                cluster=cluster,
+                operation=OPERATION,
+                token=client_token,
+                parameters=parameters,
+                now=now,
+                mismatch=ConflictException,
+            )
+            if earlier is not None:
+                made = session.get(ClusterExtension, earlier.result["ExtensionId"])
+                if made is not None:
+                    return made
+                client_tokens.forget(session, earlier)  # deleted since: the token makes a new one
             if not cluster.orchestrator or "Slurm" not in cluster.orchestrator:
                 raise ValidationException(
                     f"Cluster '{cluster.name}' is not orchestrated by Slurm; extensions are available only "
@@ -161,12 +165,20 @@ class ExtensionService:
                 version=version or offered[0],
                 configuration=configuration,
                 phase="Creating",
-                client_token=client_token,
                 creation_time=now,
                 last_modified_time=now,
                 tags=tags or [],
             )
             session.add(row)
+            client_tokens.remember(
+                session,
+                cluster=cluster,
+                operation=OPERATION,
+                token=client_token,
+                parameters=parameters,
+                result={"ExtensionId": extension_id},
+                now=now,
+            )
         return row
 
     def update(

@@ -4,6 +4,7 @@ from hyperpod_sim.models.db import Database
 from hyperpod_sim.models.tables import (
     Base,
     CheckpointNamespace,
+    ClientToken,
     Cluster,
     ClusterEvent,
     ClusterExtension,
@@ -18,6 +19,7 @@ from hyperpod_sim.models.tables import (
 __all__ = [
     "Base",
     "CheckpointNamespace",
+    "ClientToken",
     "Cluster",
     "ClusterEvent",
     "ClusterExtension",

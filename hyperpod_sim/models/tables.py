@@ -245,10 +245,27 @@ class ClusterExtension(Base):
     configuration: Mapped[dict[str, Any] | None]
     # Creating or Updating until every live node runs it; then it reads Active.
     phase: Mapped[str] = mapped_column(String(16))
-    client_token: Mapped[str | None] = mapped_column(String(64))
     creation_time: Mapped[datetime]
     last_modified_time: Mapped[datetime]
     tags: Mapped[list[Any]]
+
+
+class ClientToken(Base):
+    """A request's ClientToken (domain/client_tokens.py): what it asked, what it was answered, so
+    that a retry within the token's validity gets the same answer and changes nothing."""
+
+    __tablename__ = "client_tokens"
+    __table_args__ = (UniqueConstraint("cluster_id", "operation", "token"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"))
+    # The API operation (BatchAddClusterNodes, CreateClusterExtension, ...).
+    operation: Mapped[str] = mapped_column(String(64))
+    token: Mapped[str] = mapped_column(String(64))
+    # The request's parameters that a retry must repeat, and the answer's own record.
+    parameters: Mapped[dict[str, Any]]
+    result: Mapped[dict[str, Any]]
+    creation_time: Mapped[datetime] = mapped_column(index=True)
 
 
 class NodeAttachment(Base):
