@@ -193,8 +193,36 @@ def test_image_versions_show_the_update_under_way_and_after(control_plane: Contr
         LATEST_RELEASE,
     )
     assert workers["ImageVersionStatus"] == "UpToDate"
-    assert "SoftwareUpdateStatus" not in workers
+    assert workers["SoftwareUpdateStatus"] == "Succeeded"
+    assert "ActiveSoftwareUpdateConfig" not in workers
     for node_id in statuses(sm, "shown"):
         details = sm.describe_cluster_node(ClusterName="shown", NodeId=node_id)["NodeDetails"]
         assert details["CurrentImageReleaseVersion"] == LATEST_RELEASE
         assert "LastSoftwareUpdateTime" in details
+
+
+def test_the_last_update_status_stays_until_the_next_update(control_plane: ControlPlane, sm: Any) -> None:
+    """SoftwareUpdateStatus is the group's last update's: absent before any, Succeeded once one is
+    done, kept through UpdateCluster, InProgress again when an update names the group, and left
+    alone by an update of other groups."""
+    in_service(control_plane, sm, "last", group("a", count=1), group("b", count=1))
+
+    def update_status() -> dict[str, str | None]:
+        groups = sm.describe_cluster(ClusterName="last")["InstanceGroups"]
+        return {g["InstanceGroupName"]: g.get("SoftwareUpdateStatus") for g in groups}
+
+    assert update_status() == {"a": None, "b": None}
+    sm.update_cluster_software(ClusterName="last", InstanceGroups=[{"InstanceGroupName": "a"}])
+    assert update_status() == {"a": "InProgress", "b": None}
+    batches_seen(control_plane, sm, "last")
+    assert update_status() == {"a": "Succeeded", "b": None}
+    sm.update_cluster(ClusterName="last", InstanceGroups=[group("a", count=2)])
+    control_plane.settle(sm, "last")
+    assert update_status() == {"a": "Succeeded", "b": None}
+    sm.update_cluster_software(ClusterName="last", InstanceGroups=[{"InstanceGroupName": "b"}])
+    assert update_status() == {"a": "Succeeded", "b": "InProgress"}
+    batches_seen(control_plane, sm, "last")
+    sm.update_cluster_software(ClusterName="last")
+    assert update_status() == {"a": "InProgress", "b": "InProgress"}
+    batches_seen(control_plane, sm, "last")
+    assert update_status() == {"a": "Succeeded", "b": "Succeeded"}

@@ -141,15 +141,16 @@ def group_state(
     group: InstanceGroup, running: int, by_type: dict[str, int], update: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Members of ClusterInstanceGroupDetails that describe the group's state (``update``: the
-    cluster's software update under way, if any)."""
+    cluster's software update under way, if any; SoftwareUpdateStatus is the group's last one's)."""
     spec = group.spec
     target = updating_to(update, group.name)
     out: dict[str, Any] = {
         **image_release(spec.get("ImageReleaseVersion"), target),
         "TargetStateCount": running,
     }
+    if group.software_update_status is not None:  # the last update's, until the next one
+        out["SoftwareUpdateStatus"] = group.software_update_status
     if update is not None and target is not None:
-        out["SoftwareUpdateStatus"] = "InProgress"
         out["ActiveSoftwareUpdateConfig"] = active_update_config(update)
     if group.status in _SCALING_STATUSES:
         out["ActiveOperations"] = {"Scaling": 1}

@@ -1,4 +1,5 @@
-"""Declared status transitions of clusters, instance groups and nodes, and the policy generation.
+"""Declared status transitions of clusters, instance groups, nodes and instance groups' software
+updates, and the policy generation.
 
 Every status change goes through ``check_transition`` (``events.move`` calls it and records the
 change's event): a move that its table does not list is a bug, raised as ``InternalFailure``. A
@@ -43,6 +44,17 @@ class GroupStatus(StrEnum):
     DELETING = "Deleting"
     DEGRADED = "Degraded"
     FAILED = "Failed"
+
+
+class SoftwareUpdateStatus(StrEnum):
+    """An instance group's last software update (DescribeCluster's SoftwareUpdateStatus)."""
+
+    PENDING = "Pending"
+    IN_PROGRESS = "InProgress"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    ROLLBACK_IN_PROGRESS = "RollbackInProgress"
+    ROLLBACK_COMPLETE = "RollbackComplete"
 
 
 CLUSTER_TRANSITIONS: dict[ClusterStatus, frozenset[ClusterStatus]] = {
@@ -94,6 +106,28 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     NodeStatus.SHUTTING_DOWN: frozenset(),
 }
 
+# The model's sequences: Pending -> InProgress -> Succeeded, or InProgress -> RollbackInProgress ->
+# RollbackComplete | Failed; a group's next update starts again from the last one's end. Here an
+# update starts at once (InProgress from the request on, never Pending) and never rolls back (its
+# alarms are not monitored), so only InProgress and Succeeded are used.
+SOFTWARE_UPDATE_TRANSITIONS: dict[SoftwareUpdateStatus, frozenset[SoftwareUpdateStatus]] = {
+    SoftwareUpdateStatus.PENDING: frozenset({SoftwareUpdateStatus.IN_PROGRESS}),
+    SoftwareUpdateStatus.IN_PROGRESS: frozenset(
+        {SoftwareUpdateStatus.SUCCEEDED, SoftwareUpdateStatus.ROLLBACK_IN_PROGRESS}
+    ),
+    SoftwareUpdateStatus.ROLLBACK_IN_PROGRESS: frozenset(
+        {SoftwareUpdateStatus.ROLLBACK_COMPLETE, SoftwareUpdateStatus.FAILED}
+    ),
+    **{
+        ended: frozenset({SoftwareUpdateStatus.PENDING, SoftwareUpdateStatus.IN_PROGRESS})
+        for ended in (
+            SoftwareUpdateStatus.SUCCEEDED,
+            SoftwareUpdateStatus.ROLLBACK_COMPLETE,
+            SoftwareUpdateStatus.FAILED,
+        )
+    },
+}
+
 # A node's statuses while it is a member of its cluster (of the replica ring, of the policy).
 LIVE = (
     NodeStatus.PENDING,
@@ -107,7 +141,7 @@ LIVE = (
 MUTABLE = frozenset({ClusterStatus.IN_SERVICE})
 DELETABLE = frozenset({ClusterStatus.IN_SERVICE, ClusterStatus.FAILED})
 
-S = TypeVar("S", ClusterStatus, GroupStatus, NodeStatus)
+S = TypeVar("S", ClusterStatus, GroupStatus, NodeStatus, SoftwareUpdateStatus)
 
 
 def check_transition(current: str, target: S) -> S:
@@ -124,6 +158,7 @@ _TABLES: dict[type[StrEnum], tuple[str, Mapping[Any, frozenset[Any]]]] = {
     ClusterStatus: ("cluster", CLUSTER_TRANSITIONS),
     GroupStatus: ("instance group", GROUP_TRANSITIONS),
     NodeStatus: ("node", NODE_TRANSITIONS),
+    SoftwareUpdateStatus: ("software update", SOFTWARE_UPDATE_TRANSITIONS),
 }
 
 

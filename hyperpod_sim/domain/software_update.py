@@ -18,6 +18,12 @@ SageMaker HyperPod platform software of a cluster"), and what it means here:
 - ``AutoRollbackConfiguration`` names CloudWatch alarms; there is no CloudWatch here, so they are
   stored, said so in the update's event, and never fire: no update rolls back (the cluster status
   ``RollingBack``, and ``RollbackMaximumBatchSize``, are never used).
+- Each updated group's ``SoftwareUpdateStatus`` (``InstanceGroup.software_update_status``) is
+  ``InProgress`` from the request on (the first batch starts at once: never ``Pending``), and
+  ``Succeeded`` once the update is done, kept until the group's next update: the model calls it
+  the "status of the last software update request". Without rollbacks, ``RollbackInProgress``,
+  ``RollbackComplete`` and ``Failed`` never happen; a node that fails its update is replaced as
+  any failed node is, and the update goes on.
 - What hyperpod-sim adds: a batch never holds a node and one of its replica peers (the nodes next
   to it in the replica ring, hyperpod_sim/domain/policy.py) when that can be avoided, so the copy
   of a node's checkpoints on its peer survives the node's update. HyperPod itself does not say how
@@ -38,13 +44,20 @@ from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.cluster_reads import locked_cluster
 from hyperpod_sim.domain.errors import ConflictException, ValidationException
-from hyperpod_sim.domain.lifecycle import LIVE, MUTABLE, ClusterStatus, NodeStatus
+from hyperpod_sim.domain.lifecycle import (
+    LIVE,
+    MUTABLE,
+    ClusterStatus,
+    NodeStatus,
+    SoftwareUpdateStatus,
+    check_transition,
+)
 from hyperpod_sim.domain.node_operations import SOFTWARE_UPDATE
 from hyperpod_sim.domain.nodes import fail_node
 from hyperpod_sim.domain.outcome import Outcome
 from hyperpod_sim.domain.policy import ring
 from hyperpod_sim.domain.provisioning import Provisioner
-from hyperpod_sim.models import Cluster, Database, Node
+from hyperpod_sim.models import Cluster, Database, InstanceGroup, Node
 
 # The image release a node runs from its launch, and the one an update without a version installs.
 INITIAL_RELEASE = "1.0.0"
@@ -54,6 +67,14 @@ LATEST_RELEASE = "1.1.0"
 def image_release(node: Node) -> str:
     """The image release version the node runs."""
     return node.image_version or INITIAL_RELEASE
+
+
+def _mark(group: InstanceGroup, status: SoftwareUpdateStatus) -> None:
+    """The group's SoftwareUpdateStatus, through its transition table (a group never updated
+    starts any sequence)."""
+    if group.software_update_status is not None:
+        check_transition(group.software_update_status, status)
+    group.software_update_status = status.value
 
 
 class SoftwareUpdateService:
@@ -99,9 +120,10 @@ class SoftwareUpdateService:
                 "MaximumBatchSize": rolling.get("MaximumBatchSize"),
                 "Alarms": alarms,
             }
-            if image_id is not None:
-                for group in cluster.instance_groups:
-                    if group.name in versions:
+            for group in cluster.instance_groups:
+                if group.name in versions:
+                    _mark(group, SoftwareUpdateStatus.IN_PROGRESS)
+                    if image_id is not None:
                         group.spec = {**group.spec, "ImageId": image_id}
             cluster.updated_time = now
             described = ", ".join(f"{group} to {version}" for group, version in versions.items())
@@ -228,6 +250,7 @@ def roll(
         for group in cluster.instance_groups:  # what DescribeCluster shows as current from now on
             if group.name in plan["Versions"]:
                 group.spec = {**group.spec, "ImageReleaseVersion": plan["Versions"][group.name]}
+                _mark(group, SoftwareUpdateStatus.SUCCEEDED)  # kept until the group's next update
         cluster.updated_time = now
         events.move(
             session,

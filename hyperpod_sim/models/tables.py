@@ -96,6 +96,9 @@ class InstanceGroup(Base):
     restricted: Mapped[bool] = mapped_column(default=False)
     # The group's specification as the client sent it (ExecutionRole, LifeCycleConfig, ...).
     spec: Mapped[dict[str, Any]]
+    # SoftwareUpdateStatus of the group's last software update (domain/software_update.py),
+    # kept until the next one; None: never updated.
+    software_update_status: Mapped[str | None] = mapped_column(String(32))
 
     cluster: Mapped[Cluster] = relationship(back_populates="instance_groups")
 
