@@ -342,19 +342,22 @@ def _node_operations(svc: ClusterService) -> NodeOperations:
 
 def _node_results(by_id: NodeResults, by_logical: NodeResults) -> dict[str, Any]:
     """The output of BatchReboot/BatchReplaceClusterNodes: ``Successful`` and ``Failed`` (with
-    ``ErrorCode``), and their logical-id twins when logical ids were given."""
+    ``ErrorCode``), and their logical-id twins when logical ids were given. A list of successes
+    is left out when empty: the model's lists of node ids hold at least one."""
     out: dict[str, Any] = {
-        "Successful": by_id.successful,
         "Failed": [
             {"NodeId": key, "ErrorCode": code, "Message": message} for key, code, message in by_id.failed
         ],
     }
+    if by_id.successful:
+        out["Successful"] = by_id.successful
     if by_logical.successful or by_logical.failed:
-        out["SuccessfulNodeLogicalIds"] = by_logical.successful
         out["FailedNodeLogicalIds"] = [
             {"NodeLogicalId": key, "ErrorCode": code, "Message": message}
             for key, code, message in by_logical.failed
         ]
+        if by_logical.successful:
+            out["SuccessfulNodeLogicalIds"] = by_logical.successful
     return out
 
 

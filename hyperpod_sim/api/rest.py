@@ -102,6 +102,8 @@ class Route:
     body: bool = False
     query: bool = False
     example: dict[str, Any] | None = None
+    # What the OpenAPI description adds to the generic sentence (what the operation does here).
+    notes: str = ""
 
 
 ROUTES = [
@@ -141,6 +143,84 @@ ROUTES = [
         {"name": "ClusterName"},
         body=True,
         example={"NodeIds": ["i-0123456789abcdef0"]},
+    ),
+    # Node operations (nodeops): what they do to the agents and the checkpoint tiers is in
+    # docs/node-operations.md. One row per operation, under the cluster its ClusterName names; an
+    # operation naming its clusters by ARN in the body (MoveClusterNodes: SourceClusterArn,
+    # TargetClusterArn) takes a body-only path instead, as /cluster-node-volumes does:
+    # Route("POST", "/cluster-nodes/move", "MoveClusterNodes", "...", body=True, example={...}).
+    Route(
+        "POST",
+        "/clusters/{name}/nodes/batch-reboot",
+        "BatchRebootClusterNodes",
+        "Reboot nodes by id or logical id",
+        {"name": "ClusterName"},
+        body=True,
+        example={"NodeIds": ["i-0123456789abcdef0"]},
+        notes="Each node keeps its id: its agent stops (after persisting its unpersisted steps to S3), "
+        "its shared memory is cleared, and it is Pending until its agent is back. Nodes that cannot be "
+        "rebooted are answered in `Failed`.",
+    ),
+    Route(
+        "POST",
+        "/clusters/{name}/nodes/batch-replace",
+        "BatchReplaceClusterNodes",
+        "Replace nodes by id or logical id",
+        {"name": "ClusterName"},
+        body=True,
+        example={"NodeIds": ["i-0123456789abcdef0"]},
+        notes="Each node shuts down as a deleted one (its agent persists its unpersisted steps to S3 "
+        "first; its shared memory goes) and a new node, with a new instance id, takes its slot in the "
+        "replica ring; the group's target count stays. Nodes that cannot be replaced are answered in "
+        "`Failed`.",
+    ),
+    Route(
+        "POST",
+        "/clusters/{name}/nodes/batch-add",
+        "BatchAddClusterNodes",
+        "Add nodes to instance groups (NodeProvisioningMode Continuous)",
+        {"name": "ClusterName"},
+        body=True,
+        example={
+            "NodesToAdd": [{"InstanceGroupName": "workers", "IncrementTargetCountBy": 2}],
+            "ClientToken": "add-workers-1",
+        },
+        notes="Each node added is answered with its `NodeLogicalId` at once, Pending; the groups' "
+        "target counts rise and the cluster stays InService. A retry with the same `ClientToken` and "
+        "`NodesToAdd` within 8 hours adds nothing and answers the same nodes with their status now.",
+    ),
+    Route(
+        "POST",
+        "/clusters/{name}/software-update",
+        "UpdateClusterSoftware",
+        "Update the nodes' image release, batch by batch",
+        {"name": "ClusterName"},
+        body=True,
+        example={
+            "InstanceGroups": [{"InstanceGroupName": "workers", "ImageReleaseVersion": "1.1.0"}],
+            "DeploymentConfig": {
+                "RollingUpdatePolicy": {"MaximumBatchSize": {"Type": "INSTANCE_COUNT", "Value": 1}},
+                "WaitIntervalInSeconds": 30,
+            },
+        },
+        notes="The cluster is SystemUpdating while the update rolls, InService again after; the "
+        "groups' `SoftwareUpdateStatus` is InProgress, then Succeeded until their next update. An "
+        "empty body updates every group to the latest release in one batch.",
+    ),
+    Route(
+        "POST",
+        "/clusters/{name}/health-checks",
+        "StartClusterHealthCheck",
+        "Run deep health checks on instance groups",
+        {"name": "ClusterName"},
+        body=True,
+        example={
+            "DeepHealthCheckConfigurations": [
+                {"InstanceGroupName": "workers", "DeepHealthChecks": ["InstanceStress"]}
+            ]
+        },
+        notes="The nodes checked are DeepHealthCheckInProgress, then Running again (Failure only "
+        "under a DeepHealthCheckFailure fault); the check is recorded as a DeepHealthCheck operation.",
     ),
     Route(
         "GET",
@@ -413,7 +493,7 @@ for _route in ROUTES:
         description=(
             f"The AWS `{_route.operation}` operation over REST: same members, same validation, "
             "same errors as `POST /` with `X-Amz-Target: SageMaker."
-            f"{_route.operation}`."
+            f"{_route.operation}`." + (f" {_route.notes}" if _route.notes else "")
         ),
         operation_id=_route.operation,
         openapi_extra=_openapi_extra(_route),
