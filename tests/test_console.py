@@ -20,6 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
+from hyperpod_sim.contracts.s3layout import WRITTEN_BY_AGENTS, WRITTEN_BY_TRAINER
+from hyperpod_sim.domain.checkpoints import NamespaceCheckpoints, StepLocation
+from hyperpod_sim.domain.overview import restore_plan
 from hyperpod_sim.sdk.auth import bearer_token
 from tests.conftest import ControlPlane
 from tests.test_memory_tier import members, url
@@ -238,3 +241,60 @@ def test_with_auth_on_the_console_asks_for_a_key_and_sends_its_token(
     page.get_by_role("button", name="Create from JSON").click()
     expect(page.locator('tr[data-cluster="pasted"]')).to_contain_text("Slurm")
     expect(page.locator('tr[data-cluster="pasted"]')).to_contain_text("2 Pending")
+
+
+class TestTheCheckpointMap:
+    """The map's own rendering, on a view the test sets (the server's wire code makes it): what a
+    trainer cannot be made to write here in seconds, a step it wrote to S3 itself."""
+
+    @pytest.fixture
+    def settings_overrides(self) -> dict[str, Any]:
+        return {}  # auth off, unlike the module's other tests
+
+    def test_it_says_who_wrote_each_step_to_s3(self, control_plane: ControlPlane, page: Any) -> None:
+        created = httpx.post(
+            control_plane.url + "/clusters",
+            json={
+                "ClusterName": "map",
+                "InstanceGroups": [
+                    {
+                        "InstanceGroupName": "w",
+                        "InstanceType": "ml.c5.large",
+                        "InstanceCount": 1,
+                        "ExecutionRole": "arn:aws:iam::123456789012:role/x",
+                    }
+                ],
+            },
+        )
+        assert created.status_code == 200, created.text
+        served = httpx.get(control_plane.url + "/clusters/map/overview").json()
+        node = served["Nodes"][0]["InstanceId"]
+        namespace = NamespaceCheckpoints(
+            "job",
+            2,
+            3,
+            [
+                StepLocation(step=3, memory={0: node, 1: node}, replica={}, on_s3=False, complete=True),
+                StepLocation(
+                    step=2, memory={}, replica={}, on_s3=True, complete=True, s3_written_by=WRITTEN_BY_TRAINER
+                ),
+                StepLocation(
+                    step=1,
+                    memory={0: node},
+                    replica={},
+                    on_s3=True,
+                    complete=True,
+                    s3_written_by=WRITTEN_BY_AGENTS,
+                ),
+            ],
+        )
+        view = {**served, "Checkpoints": [{**namespace.to_wire(), "Restore": restore_plan(namespace)}]}
+        page.route("**/clusters/map/overview", lambda route: route.fulfill(json=view))
+        page.goto(f"{control_plane.url}/console#/clusters/map")
+        section = page.locator('section.namespace[data-namespace="job"]')
+        writers = {step: section.locator(f'tr[data-step="{step}"] td.s3-writer') for step in ("1", "2", "3")}
+        expect(writers["2"]).to_have_text("▲ written by trainer")
+        expect(writers["2"]).to_have_attribute("data-s3-written-by", "trainer")
+        expect(writers["1"]).to_have_text("▲ written by agents")
+        expect(writers["3"]).to_have_text("\N{EN DASH}")  # not on S3
+        expect(section.locator("thead")).to_contain_text("On S3")

@@ -110,6 +110,8 @@ def test_the_overview_routes_are_in_the_openapi_document(control_plane: ControlP
         assert "304" in answers
     nodes = document["components"]["schemas"]["NodeView"]["properties"]
     assert {"RingPosition", "ReplicaPeers", "MemoryHeldBytes", "MemoryBudgetBytes"} <= set(nodes)
+    steps = document["components"]["schemas"]["StepView"]["properties"]
+    assert {"S3", "S3WrittenBy", "Complete"} <= set(steps)  # as the checkpoint listing has them
     # Static files are not API.
     assert "/console" not in document["paths"]
 

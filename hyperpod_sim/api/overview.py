@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -89,6 +89,11 @@ class StepView(BaseModel):
     Memory: dict[str, str] = Field(description="Rank -> the node holding its primary copy.")
     Replica: dict[str, list[str]] = Field(description="Rank -> the nodes holding a replica.")
     S3: bool = Field(description="Committed on S3.")
+    S3WrittenBy: Literal["Trainer"] | None = Field(
+        default=None,
+        description="Trainer: the trainer wrote the step to S3 itself (the library's own S3 writes, no "
+        "commit marker); absent for a step the agents committed, as in GET /clusters/{name}/checkpoints.",
+    )
     Complete: bool
 
 

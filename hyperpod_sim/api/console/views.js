@@ -141,6 +141,19 @@ function cell(step, rank) {
   return h("td", { class: `cell ${kind}`, "data-rank": rank, "data-kind": kind }, parts);
 }
 
+// Who put the step on S3: the agents (their commit marker) or the trainer itself (the library's
+// own S3 writes: the listing's S3WrittenBy "Trainer"); "–" when it is not on S3.
+export function s3Writer(step) {
+  if (!step.S3) return null;
+  return step.S3WrittenBy === "Trainer" ? "trainer" : "agents";
+}
+
+function s3Cell(step) {
+  const writer = s3Writer(step);
+  return h("td", { class: "s3-writer", "data-s3-written-by": writer ?? "none" },
+    writer ? `▲ written by ${writer}` : "–");
+}
+
 export function checkpointMap(namespaces, unreachable) {
   if (!namespaces.length) return h("p", { class: "empty" }, "No checkpoints yet: a trainer's first save creates its namespace.");
   return h("div", {},
@@ -161,15 +174,16 @@ export function checkpointMap(namespaces, unreachable) {
         h("div", { class: "scroll" }, h("table", { class: "map" },
           h("caption", { class: "sr-only" }, `Checkpoint map of ${ns.Namespace}: steps by ranks`),
           h("thead", {}, h("tr", {}, h("th", { scope: "col" }, "Step"), h("th", { scope: "col" }, "Complete"),
-            ranks.map((r) => h("th", { scope: "col" }, `rank ${r}`)))),
+            h("th", { scope: "col" }, "On S3"), ranks.map((r) => h("th", { scope: "col" }, `rank ${r}`)))),
           h("tbody", {}, ns.Steps.map((step) => h("tr", {
             class: step.Step === newest ? "newest" : "", "data-step": step.Step,
             "data-complete": step.Complete },
           h("th", { scope: "row" }, step.Step, step.Step === newest ? h("span", { class: "star" }, " ★ newest complete") : null),
           h("td", {}, step.Complete ? "✓ yes" : "✗ no"),
+          s3Cell(step),
           ranks.map((r) => cell(step, r))))))));
     }),
-    h("p", { class: "legend" }, "■ P primary copy in memory (node) · ◆ R only a replica (node) · ▲ S3 only on S3 · ✖ missing · +S3 also committed on S3"));
+    h("p", { class: "legend" }, "■ P primary copy in memory (node) · ◆ R only a replica (node) · ▲ S3 only on S3 · ✖ missing · +S3 also committed on S3 · On S3: written by the agents (their commit marker) or by the trainer (the library's own S3 writes)"));
 }
 
 export function eventsList(events, filter) {
