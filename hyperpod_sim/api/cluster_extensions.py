@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hyperpod_sim.api.account_resources import Params, service_of
 from hyperpod_sim.domain import cluster_extensions
 from hyperpod_sim.domain.cluster_extensions import ExtensionService, ExtensionState
 from hyperpod_sim.domain.clusters import ClusterService
 
-Params = dict[str, Any]
-
 
 def _service(svc: ClusterService) -> ExtensionService:
-    return ExtensionService(
-        db=svc.db, clock=svc.clock, ids=svc.ids, region=svc.config.region, account_id=svc.config.account_id
-    )
+    return service_of(ExtensionService, svc)
 
 
 def create_cluster_extension(svc: ClusterService, p: Params) -> dict[str, Any]:

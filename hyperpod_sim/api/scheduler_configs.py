@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from hyperpod_sim.api.account_resources import Params, service_of
 from hyperpod_sim.domain.clusters import ClusterService
 from hyperpod_sim.domain.scheduler_configs import SchedulerConfigService
 
-Params = dict[str, Any]
-
 
 def _service(svc: ClusterService) -> SchedulerConfigService:
-    return SchedulerConfigService(
-        db=svc.db, clock=svc.clock, ids=svc.ids, region=svc.config.region, account_id=svc.config.account_id
-    )
+    return service_of(SchedulerConfigService, svc)
 
 
 def create_cluster_scheduler_config(svc: ClusterService, p: Params) -> dict[str, Any]:

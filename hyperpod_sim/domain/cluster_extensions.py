@@ -27,11 +27,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hyperpod_sim.domain import client_tokens
-from hyperpod_sim.domain.clock import Clock, Ids
+from hyperpod_sim.domain.account_resources import AccountResourceService, created_between
 from hyperpod_sim.domain.errors import ConflictException, ResourceInUse, ResourceNotFound, ValidationException
 from hyperpod_sim.domain.lifecycle import LIVE, NodeStatus
 from hyperpod_sim.domain.pages import Page, paginate
-from hyperpod_sim.models import Cluster, ClusterExtension, Database, Node
+from hyperpod_sim.models import Cluster, ClusterExtension, Node
 
 # Extension name -> versions offered, highest first (hyperpod-sim's numbering).
 CATALOG: dict[str, tuple[str, ...]] = {
@@ -75,14 +75,7 @@ def _configuration(text: str | None) -> dict[str, Any] | None:
     return value
 
 
-class ExtensionService:
-    def __init__(self, *, db: Database, clock: Clock, ids: Ids, region: str, account_id: str) -> None:
-        self.db = db
-        self.clock = clock
-        self.ids = ids
-        self.region = region
-        self.account_id = account_id
-
+class ExtensionService(AccountResourceService):
     def _cluster(self, session: Session, arn: str) -> Cluster:
         cluster = session.scalars(select(Cluster).where(Cluster.arn == arn)).one_or_none()
         if cluster is None:
@@ -159,7 +152,7 @@ class ExtensionService:
             extension_id = self.ids.cluster_id()
             row = ClusterExtension(
                 id=extension_id,
-                arn=f"arn:aws:sagemaker:{self.region}:{self.account_id}:extension/{name}/{cluster.id}/{extension_id}",
+                arn=self.arn(f"extension/{name}/{cluster.id}/{extension_id}"),
                 cluster_id=cluster.id,
                 name=name,
                 version=version or offered[0],
@@ -240,10 +233,9 @@ class ExtensionService:
         with self.db.read() as session:
             cluster = self._cluster(session, cluster_arn)
             query = select(ClusterExtension).where(ClusterExtension.cluster_id == cluster.id)
-            if creation_time_after is not None:
-                query = query.where(ClusterExtension.creation_time > creation_time_after)
-            if creation_time_before is not None:
-                query = query.where(ClusterExtension.creation_time < creation_time_before)
+            query = query.where(
+                *created_between(ClusterExtension.creation_time, creation_time_after, creation_time_before)
+            )
             query = query.order_by(ClusterExtension.creation_time.asc(), ClusterExtension.name.asc())
             found = [self._state(session, cluster, row) for row in session.scalars(query)]
         return paginate(found, max_results=max_results, token=next_token, scope=f"extensions:{cluster.id}")

@@ -20,10 +20,10 @@ from typing import Any
 
 from sqlalchemy import select
 
-from hyperpod_sim.domain.clock import Clock, Ids
+from hyperpod_sim.domain.account_resources import AccountResourceService, created_between
 from hyperpod_sim.domain.errors import ConflictException, ResourceNotFound, ValidationException
 from hyperpod_sim.domain.pages import Page, paginate
-from hyperpod_sim.models import Cluster, ClusterSchedulerConfig, Database
+from hyperpod_sim.models import Cluster, ClusterSchedulerConfig
 
 CREATED = "Created"
 UPDATED = "Updated"
@@ -45,17 +45,7 @@ class SchedulerConfigVersion:
         return {component: self.row.status for component in self.scheduler_config}
 
 
-class SchedulerConfigService:
-    def __init__(self, *, db: Database, clock: Clock, ids: Ids, region: str, account_id: str) -> None:
-        self.db = db
-        self.clock = clock
-        self.ids = ids
-        self.region = region
-        self.account_id = account_id
-
-    def _arn(self, config_id: str) -> str:
-        return f"arn:aws:sagemaker:{self.region}:{self.account_id}:cluster-scheduler-config/{config_id}"
-
+class SchedulerConfigService(AccountResourceService):
     def create(
         self,
         *,
@@ -86,7 +76,7 @@ class SchedulerConfigService:
             config_id = self.ids.cluster_id()
             row = ClusterSchedulerConfig(
                 id=config_id,
-                arn=self._arn(config_id),
+                arn=self.arn(f"cluster-scheduler-config/{config_id}"),
                 name=name,
                 cluster_id=cluster.id,
                 status=CREATED,
@@ -177,10 +167,9 @@ class SchedulerConfigService:
         """(policy, its cluster's ARN), by CreationTime (default), Name or Status; newest first
         unless Ascending."""
         query = select(ClusterSchedulerConfig, Cluster.arn).join(Cluster)
-        if created_after is not None:
-            query = query.where(ClusterSchedulerConfig.creation_time > created_after)
-        if created_before is not None:
-            query = query.where(ClusterSchedulerConfig.creation_time < created_before)
+        query = query.where(
+            *created_between(ClusterSchedulerConfig.creation_time, created_after, created_before)
+        )
         if name_contains:
             query = query.where(ClusterSchedulerConfig.name.contains(name_contains, autoescape=True))
         if cluster_arn:
