@@ -18,7 +18,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from hyperpod_sim.domain.errors import AwsError
@@ -70,7 +70,10 @@ def remember(
     result: dict[str, Any],
     now: datetime,
 ) -> None:
-    """Keep what the request with ``token`` asked and answered (nothing without a token)."""
+    """Keep what the request with ``token`` asked and answered (nothing without a token), and
+    drop every token past its validity (boto3 sends one with every call: the table stays the
+    size of 8 hours' requests)."""
+    session.execute(delete(ClientToken).where(ClientToken.creation_time <= now - VALIDITY))
     if token is not None:
         session.add(
             ClientToken(
