@@ -25,6 +25,14 @@ class FastWrite:
     namespace: Namespace
     deadline: float  # the clock's monotonic time
 
+    def give_back(self) -> None:
+        """Abort the write; a write reserved ahead leaves its file as the rank's spare (a file of
+        its rotation: retention + 1, and the one ahead)."""
+        if self.reservation.ahead:
+            self.reservation.abort(keep_as_spare=self.namespace.steps_retained + 1)
+        else:
+            self.reservation.abort()
+
 
 class FastPath:
     def __init__(self, *, clock: Clock, timeout_s: float, spawn: Callable[[Awaitable[None]], None]) -> None:
@@ -74,5 +82,5 @@ class FastPath:
             for token, write in list(self._writes.items()):
                 if write.deadline < now:
                     del self._writes[token]
-                    write.reservation.abort()
+                    write.give_back()
                     log.warning("a fast-path write of %s was never committed", write.reservation.key)

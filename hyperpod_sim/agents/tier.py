@@ -204,7 +204,7 @@ class MemoryTier:
                     protected.add((name, steps[0]))
         return protected
 
-    async def _reserve(self, key: ShardKey, size: int) -> Reservation:
+    async def _reserve(self, key: ShardKey, size: int, *, ahead: bool = False) -> Reservation:
         """Room for a shard (HTTP upload, replica or same-host write), evicting older steps but
         never a namespace's newest complete one; 507 with the numbers when it does not fit. The
         reservation allocates the file's memory, so it runs in a worker thread."""
@@ -212,7 +212,9 @@ class MemoryTier:
         if self.store.in_use_bytes + size > self.store.budget_bytes:
             protect = await self._protected_steps()
         try:
-            return await asyncio.to_thread(self.store.reserve, key, size, protect=lambda: protect)
+            return await asyncio.to_thread(
+                self.store.reserve, key, size, protect=lambda: protect, ahead=ahead
+            )
         except BudgetExceeded as exc:
             raise TierError(
                 507,
@@ -265,34 +267,51 @@ class MemoryTier:
     # ------------------------------------------------------------------ same-host fast path
 
     async def fast_reserve(
-        self, name: str, rank: str, step: str, *, size: Callable[[], int]
+        self, name: str, rank: str, step: str, *, size: Callable[[], int], ahead: Callable[[], bool]
     ) -> dict[str, Any]:
         """Room for a shard in this agent's shared memory, as a file a trainer on this host maps
         and writes into; it becomes the shard at ``fast_commit``. A reservation not committed
-        within the fast path's timeout is given back (its trainer died)."""
+        within the fast path's timeout (``expires_in_s``) is given back (its trainer died).
+        ``ahead``: the rank's next write, reserved before its step is known (``step`` is a
+        placeholder; the commit names the step): given back, it stays the rank's spare."""
         namespace, key = await self._key(name, rank, step)
-        wanted = size()
-        reservation = await self._reserve(key, wanted)
+        wanted, early = size(), ahead()
+        reservation = await self._reserve(key, wanted, ahead=early)
         token = self.fast.open_write(reservation, namespace)
         return {
             "token": token,
             "path": str(reservation.path),
             "buffer_id": reservation.buffer_id,
             "size": wanted,
+            "expires_in_s": self.fast.timeout_s,
         }
 
-    async def fast_commit(self, token: str, *, size: Callable[[int], int]) -> dict[str, Any]:
+    async def fast_commit(
+        self, token: str, *, size: Callable[[int], int], step: Callable[[], int | None]
+    ) -> dict[str, Any]:
         """Commit an open write; ``size`` gives the bytes written from the reserved size (its
-        default), or raises TierError (the reservation is then given back)."""
+        default), ``step`` the step a write reserved ahead is (None: the step reserved); either
+        one raises TierError (the reservation is then given back)."""
         write = self.fast.take_write(token)
         if write is None:
             raise TierError(404, "NoSuchReservation", "no open reservation with this token (expired?)")
         reservation = write.reservation
         try:
             written = size(reservation.size)
+            named = step()
+            if named is not None:
+                if not reservation.ahead:
+                    raise TierError(
+                        400, "InvalidParameter", "step is named only at the commit of a write reserved ahead"
+                    )
+                rebind_to = parse_key(reservation.key.namespace, str(reservation.key.rank), str(named)).step
+                reservation.rebind(rebind_to)
         except TierError:
             reservation.abort()
             raise
+        except ReservationCancelled as exc:
+            reservation.abort()
+            raise TierError(409, "Cancelled", "the namespace was deleted or reset meanwhile") from exc
         try:
             # The file is checked (a regular file under this agent's root, the one reserved, of
             # the reserved size) and read without a mapping: a trainer that truncated or replaced
@@ -323,7 +342,7 @@ class MemoryTier:
     def fast_abort(self, token: str) -> dict[str, Any]:
         write = self.fast.take_write(token)
         if write is not None:
-            write.reservation.abort()
+            write.give_back()
         return {"aborted": write is not None}
 
     async def fast_locate(self, name: str, rank: str, step: str) -> dict[str, Any]:

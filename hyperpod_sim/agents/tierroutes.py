@@ -43,6 +43,20 @@ def query_int(request: Request, parameter: str, *, default: int | None = None) -
         raise TierError(400, "InvalidParameter", str(exc)) from exc
 
 
+def query_present(request: Request, parameter: str) -> bool:
+    return parameter in parse_qs(request.query, keep_blank_values=True)
+
+
+def query_flag(request: Request, parameter: str) -> bool:
+    """A query parameter that is ``true`` or ``false`` (false when absent); TierError 400."""
+    values = parse_qs(request.query, keep_blank_values=True).get(parameter)
+    if not values:
+        return False
+    if values[0] not in ("true", "false"):
+        raise TierError(400, "InvalidParameter", f"{parameter} is true or false")
+    return values[0] == "true"
+
+
 class BodyUpload:
     """A shard upload in a request: ``Shard-Meta`` names its checksum, ``Content-Length`` its size."""
 
@@ -155,11 +169,21 @@ class TierRoutes:
                 return lambda r: self._answer(tier.reset())
             case "POST", ["fast", "reserve", name, rank, step]:
                 return lambda r: self._answer(
-                    tier.fast_reserve(name, rank, step, size=lambda: query_int(r, "size"))
+                    tier.fast_reserve(
+                        name,
+                        rank,
+                        step,
+                        size=lambda: query_int(r, "size"),
+                        ahead=lambda: query_flag(r, "ahead"),
+                    )
                 )
             case "POST", ["fast", "commit", token]:
                 return lambda r: self._answer(
-                    tier.fast_commit(token, size=lambda reserved: query_int(r, "size", default=reserved))
+                    tier.fast_commit(
+                        token,
+                        size=lambda reserved: query_int(r, "size", default=reserved),
+                        step=lambda: query_int(r, "step") if query_present(r, "step") else None,
+                    )
                 )
             case "POST", ["fast", "abort", token]:
                 return lambda r: self._now(lambda: tier.fast_abort(token))

@@ -27,6 +27,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +72,12 @@ class AgentError(Exception):
         super().__init__(message)
         self.status = status
         self.code = code
+
+
+class ReservationLost(AgentError):
+    """A write reserved ahead that the agent no longer holds at its commit (it restarted, the write
+    expired, or the namespace was reset): the bytes are in a file the agent gave up, so the shard
+    is written again into a new reservation."""
 
 
 class UntrustedPath(Exception):
@@ -176,6 +183,13 @@ class FastWrite:
     buffer_id: str
     view: memoryview
     pin_for_cuda: Callable[[], None]
+    namespace: str = ""
+    rank: int = 0
+    step: int = 0  # the step it commits as
+    # Reserved ahead (after the rank's previous commit, under a placeholder step): the commit
+    # names ``step``, and it is used only before ``usable_until`` (this process's monotonic clock).
+    ahead: bool = False
+    usable_until: float = 0.0
 
 
 class AgentClient:
@@ -206,9 +220,16 @@ class AgentClient:
         self._mappings: OrderedDict[str, _Mapping] = OrderedDict()
         self._read_maps: OrderedDict[str, tuple[mmap.mmap, tuple[int, int]]] = OrderedDict()
         self._namespaces: dict[str, dict[str, Any]] = {}  # known to exist (a save per step asks once)
+        # (namespace, rank) -> its next write, reserved when its last one was committed.
+        self._ahead: dict[tuple[str, int], FastWrite] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
+        with self._lock:
+            ahead = list(self._ahead.values())
+            self._ahead.clear()
+        for write in ahead:
+            self.abort(write.token)  # the agent keeps its file as the rank's spare
         with self._lock:
             for entry in self._mappings.values():
                 _unmap(entry)
@@ -305,13 +326,28 @@ class AgentClient:
 
     def reserve(self, namespace: str, rank: int, step: int, size: int) -> FastWrite | None:
         """An open same-host write of ``size`` bytes, or None when the fast path is off or the
-        agent's memory is not reachable from this process (then use ``put``)."""
+        agent's memory is not reachable from this process (then use ``put``).
+
+        The rank's write reserved ahead at its last commit is used when it has this size and is
+        well within its time (no round trip on the training thread); otherwise it is given back
+        (the agent keeps its file as the rank's spare) and a write is reserved now."""
         if not self.fast_path:
             return None
+        with self._lock:
+            held = self._ahead.pop((namespace, rank), None)
+        if held is not None:
+            if held.size == size and time.monotonic() < held.usable_until:
+                held.step = step
+                return held
+            self.abort(held.token)
+        return self._reserve(namespace, rank, step, size, ahead=False)
+
+    def _reserve(self, namespace: str, rank: int, step: int, size: int, *, ahead: bool) -> FastWrite | None:
+        sent = time.monotonic()
         response = self._call(
             "POST",
             agent_path(FAST_RESERVE_ROUTE, namespace=namespace, rank=rank, step=step),
-            params={"size": size},
+            params={"size": size, "ahead": "true"} if ahead else {"size": size},
         )
         if response.status_code != 200:
             raise self._fail(response, f"reservation for rank {rank} step {step}")
@@ -320,6 +356,9 @@ class AgentClient:
             token, buffer_id, path = str(doc["token"]), str(doc["buffer_id"]), doc["path"]
             if int(doc.get("size", size)) != size:
                 raise UntrustedPath(f"the agent reserved {doc['size']} bytes, not the {size} asked for")
+            # Half the agent's deadline, counted from before the request: room for the copy and
+            # the planning between the check in ``reserve`` and the commit.
+            usable_until = sent + float(doc.get("expires_in_s", 0)) / 2
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             log.warning("the agent's reservation answer is malformed (%s); saving over HTTP", exc)
             self.fast_path = False
@@ -335,7 +374,18 @@ class AgentClient:
             self.abort(token)
             return None
         view = memoryview(entry.mapping)[:size] if size else memoryview(bytearray())
-        return FastWrite(token, size, buffer_id, view, lambda: _pin_for_cuda(entry))
+        return FastWrite(
+            token,
+            size,
+            buffer_id,
+            view,
+            lambda: _pin_for_cuda(entry),
+            namespace=namespace,
+            rank=rank,
+            step=step,
+            ahead=ahead,
+            usable_until=usable_until,
+        )
 
     def _writable(self, buffer_id: str, path: object, size: int) -> _Mapping:
         """The cached mapping of a buffer, or a new one, of the file the agent reserved, once
@@ -371,16 +421,40 @@ class AgentClient:
         """Make the first ``size`` bytes written (default: all) the shard; the agent hashes them."""
         with contextlib.suppress(BufferError):  # staged tensors may still view it: harmless
             write.view.release()
-        response = self._call(
-            "POST",
-            agent_path(FAST_COMMIT_ROUTE, token=write.token),
-            params={"size": write.size if size is None else size},
-        )
+        params: dict[str, int] = {"size": write.size if size is None else size}
+        if write.ahead:
+            params["step"] = write.step
+        response = self._call("POST", agent_path(FAST_COMMIT_ROUTE, token=write.token), params=params)
         if response.status_code != 200:
-            raise self._fail(response, "commit")
+            failure = self._fail(response, "commit")
+            if write.ahead and response.status_code in (404, 409):
+                raise ReservationLost(str(failure), status=failure.status, code=failure.code)
+            raise failure
         result: dict[str, Any] = response.json()
         self._map_ahead(result.get("spares"))
+        self._reserve_next(write)
         return result
+
+    def _reserve_next(self, committed: FastWrite) -> None:
+        """Reserve the rank's next write now, where the commit runs (async_save's background
+        thread), so that the next save's staging starts copying at once. The agent holds it
+        under a placeholder step (the next one) and the commit names the real one. Best effort:
+        when it cannot be had (the budget is short), the next save reserves its own."""
+        where = (committed.namespace, committed.rank)
+        try:
+            write = self._reserve(*where, committed.step + 1, committed.size, ahead=True)
+        except AgentError as exc:
+            log.debug(
+                "no write reserved ahead for rank %s of %s: %s", committed.rank, committed.namespace, exc
+            )
+            return
+        if write is None:
+            return
+        with self._lock:
+            replaced = self._ahead.pop(where, None)
+            self._ahead[where] = write
+        if replaced is not None:
+            self.abort(replaced.token)
 
     def _map_ahead(self, spares: object) -> None:
         """Map the rank's spare buffers that the agent named at commit (populated: every page

@@ -8,6 +8,7 @@ Future), ``finish``; with ``async_save`` the writer is also the stager (``stage`
 from __future__ import annotations
 
 import io
+import logging
 import os
 import time
 import warnings
@@ -29,9 +30,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from hyperpod_sim.sdk import metadata as codec
-from hyperpod_sim.sdk.agent import FastWrite
+from hyperpod_sim.sdk.agent import FastWrite, ReservationLost
 from hyperpod_sim.sdk.checkpoint_config import TieredCheckpointConfig, current_rank, step_of
 from hyperpod_sim.sdk.metadata import ShardRef
+
+log = logging.getLogger(__name__)
 
 ALIGN = 64
 
@@ -293,7 +296,15 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             results.append(_result(item, self.rank, offset, length, tensor))
         else:
             del buffer
-            self._client.commit(write, size=cursor)
+            try:
+                self._client.commit(write, size=cursor)
+            except ReservationLost as exc:
+                # Reserved ahead and given up by the agent meanwhile (it restarted): the staged
+                # copies are still mapped here, so lay them out again into a new reservation.
+                log.info(
+                    "the write reserved ahead for step %s was lost (%s); writing it again", self.step, exc
+                )
+                return None
             return results
         del buffer
         self._client.abort(write.token)

@@ -82,6 +82,9 @@ class StoreState:
     _preparing_bytes: int
     # (namespace, rank) -> the size of its last primary reservation: what spares are made for.
     _rank_sizes: dict[tuple[str, int], int]
+    # (namespace, rank)s whose trainer reserves its next write ahead: their rotation holds one
+    # file more (that write), so a spare stays free for a trainer that starts over meanwhile.
+    _ahead_ranks: set[tuple[str, int]]
     # inode -> readers in this process (replication, S3 uploads, responses): not recycled.
     _pins: dict[int, int]
     _counters: StoreCounters

@@ -27,7 +27,9 @@ class ReservationOwner(Protocol):
 
     def _publish(self, reservation: Reservation, *, checksum: str, replica_of: str | None) -> ShardInfo: ...
 
-    def _release(self, reservation: Reservation) -> None: ...
+    def _release(self, reservation: Reservation, *, spare_files: int | None = None) -> None: ...
+
+    def _rebind(self, reservation: Reservation, key: ShardKey) -> None: ...
 
     def _shrink(self, reservation: Reservation, size: int) -> None: ...
 
@@ -63,10 +65,22 @@ class Reservation:
         self._device = 0
         self._state: ReservationState = "open"
         self._cancelled = False
+        self._ahead = False  # reserved before its step was known (``rebind``)
 
     @property
     def key(self) -> ShardKey:
         return self._key
+
+    @property
+    def ahead(self) -> bool:
+        """Reserved as its rank's next write, before its step was known (``rebind`` names it)."""
+        return self._ahead
+
+    def rebind(self, step: int) -> None:
+        """Make an open reservation the shard of ``step`` (same namespace and rank): a write
+        reserved ahead is committed as the step its trainer saved. ReservationCancelled if the
+        namespace was deleted or reset meanwhile."""
+        self._store._rebind(self, ShardKey(self._key.namespace, self._key.rank, step))
 
     @property
     def size(self) -> int:
@@ -173,9 +187,12 @@ class Reservation:
             self.abort()
             raise
 
-    def abort(self) -> None:
-        """Release the reserved bytes and delete the temporary file. Idempotent; no-op after commit."""
-        self._store._release(self)
+    def abort(self, *, keep_as_spare: int | None = None) -> None:
+        """Release the reserved bytes and delete the temporary file. Idempotent; no-op after commit.
+        ``keep_as_spare``: keep the file (still the plain file reserved, at its size) as the rank's
+        spare instead, the rank holding at most that many files: a write reserved ahead that its
+        trainer gave back unused is a file of the rank's rotation."""
+        self._store._release(self, spare_files=keep_as_spare)
 
     # -- used by the store
 

@@ -69,6 +69,7 @@ class ShardStore(SpareRotation, StoreRecovery):
         self._preparing = []
         self._preparing_bytes = 0
         self._rank_sizes = {}
+        self._ahead_ranks = set()
         self._pins = {}
         self._counters = StoreCounters()
         make_private_dirs(self._root)
@@ -127,8 +128,12 @@ class ShardStore(SpareRotation, StoreRecovery):
             plan, _ = self._plan_locked(excess=excess, exclude=protected)
             return self._evict_locked(plan)
 
-    def reserve(self, key: ShardKey, size: int, *, protect: ProtectFn = nothing_protected) -> Reservation:
+    def reserve(
+        self, key: ShardKey, size: int, *, protect: ProtectFn = nothing_protected, ahead: bool = False
+    ) -> Reservation:
         """Room for ``size`` bytes of ``key`` and a file to write them into (see ``Reservation``).
+        ``ahead``: the rank's next write, reserved before its step is known (``Reservation.rebind``
+        names it); the rank's rotation then holds one file more (``prepare_spares``).
 
         If the budget is short, evicts whole steps, oldest first, never a step in ``protect()``
         (called only then), ``key``'s own step or a step being written; raises BudgetExceeded,
@@ -144,6 +149,10 @@ class ShardStore(SpareRotation, StoreRecovery):
         except BaseException:
             reservation.abort()
             raise
+        if ahead:
+            with self._lock:
+                reservation._ahead = True
+                self._ahead_ranks.add((key.namespace, key.rank))
         return reservation
 
     def _reserve_locked_or_evict(
@@ -293,11 +302,14 @@ class ShardStore(SpareRotation, StoreRecovery):
                 self._rank_sizes[(key.namespace, key.rank)] = reservation._reserved_size
             return entry.info
 
-    def _release(self, reservation: Reservation) -> None:
+    def _release(self, reservation: Reservation, *, spare_files: int | None = None) -> None:
         with self._lock:
             if reservation._state != "open":
                 return
             self._end_reservation_locked(reservation, state="aborted")
+            keep = spare_files is not None and not reservation._cancelled  # not for a namespace gone
+            if keep and self._keep_as_spare_locked(reservation, files=spare_files or 0):
+                return
             reservation._temp_path.unlink(missing_ok=True)
             prune_empty_dirs(reservation._temp_path.parent, stop=self._root)
 
@@ -306,6 +318,14 @@ class ShardStore(SpareRotation, StoreRecovery):
         reservation._release_mapping()
         self._reservations.discard(reservation)
         self._reserved_bytes -= reservation.size
+
+    def _rebind(self, reservation: Reservation, key: ShardKey) -> None:
+        check_key(key)
+        with self._lock:
+            reservation._require_open()
+            if reservation._cancelled:
+                raise ReservationCancelled(reservation.key)
+            reservation._key = key
 
     def _shrink(self, reservation: Reservation, size: int) -> None:
         with self._lock:

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 from stat import S_ISREG
+from typing import TYPE_CHECKING
 
 from hyperpod_sim.agents.store.base import Preparing, SpareInfo, StoreState
 from hyperpod_sim.agents.store.files import (
@@ -19,6 +20,9 @@ from hyperpod_sim.agents.store.files import (
     spare_name,
 )
 from hyperpod_sim.agents.store.keys import ShardKey
+
+if TYPE_CHECKING:
+    from hyperpod_sim.agents.store.reservation import Reservation
 
 
 class SpareRotation(StoreState):
@@ -87,15 +91,56 @@ class SpareRotation(StoreState):
         del self._index[key]
         self._committed_bytes -= entry.info.size
         entry.info.path.with_suffix(META_SUFFIX).unlink(missing_ok=True)
-        where = (key.namespace, key.rank)
+        self._add_spare_locked(
+            SpareInfo(key.namespace, key.rank, spare_path, entry.info.size, entry.buffer_id), files=files
+        )
+        return True
+
+    def _keep_as_spare_locked(self, reservation: Reservation, *, files: int) -> bool:
+        """An aborted reservation's file kept as its rank's spare, if it is still the plain file
+        reserved (same inode, one link, the reserved size): a trainer writes into these files, so
+        whatever it left there is used only as memory to overwrite. False (nothing done) else."""
+        temp = reservation.path
+        try:
+            stat = os.lstat(temp)
+        except OSError:
+            return False
+        if (
+            not S_ISREG(stat.st_mode)
+            or stat.st_nlink != 1
+            or stat.st_ino != reservation._inode
+            or stat.st_size != reservation.size
+            or reservation.size <= 0
+        ):
+            return False
+        spare_path = temp.with_name(spare_name(reservation.buffer_id))
+        try:
+            os.replace(temp, spare_path)
+        except OSError:
+            return False
+        key = reservation.key
+        self._add_spare_locked(
+            SpareInfo(key.namespace, key.rank, spare_path, reservation.size, reservation.buffer_id),
+            files=files,
+        )
+        return True
+
+    def _add_spare_locked(self, spare: SpareInfo, *, files: int) -> None:
+        """Hold ``spare``; the rank keeps at most its rotation of ``files`` files (the oldest
+        spares go first)."""
+        where = (spare.namespace, spare.rank)
         spares = self._spares.setdefault(where, [])
-        spares.append(SpareInfo(key.namespace, key.rank, spare_path, entry.info.size, entry.buffer_id))
-        self._spare_bytes += entry.info.size
-        while spares and self._files_of_locked(*where) > max(files, 1):
+        spares.append(spare)
+        self._spare_bytes += spare.size
+        while spares and self._files_of_locked(*where) > max(self._rotation_locked(where, files), 1):
             self._drop_spare_locked(spares.pop(0))
         if not spares:
             del self._spares[where]
-        return True
+
+    def _rotation_locked(self, where: tuple[str, int], files: int) -> int:
+        """The files a rank keeps when its retention asks for ``files``: one more while its
+        trainer reserves its next write ahead (that write is one of them)."""
+        return files + (1 if where in self._ahead_ranks else 0)
 
     def _drop_spares_locked(self, namespace: str | None = None) -> None:
         """Drop the spares of a namespace (or all), and cancel those being prepared."""
@@ -108,6 +153,7 @@ class SpareRotation(StoreState):
                 self._preparing_bytes -= preparing.size
         for where in [w for w in self._rank_sizes if namespace is None or w[0] == namespace]:
             del self._rank_sizes[where]
+        self._ahead_ranks -= {w for w in self._ahead_ranks if namespace is None or w[0] == namespace}
 
     def _drop_spare_locked(self, spare: SpareInfo) -> None:
         self._spare_bytes -= spare.size
@@ -142,7 +188,7 @@ class SpareRotation(StoreState):
             if size <= 0:
                 return 0
             self._grow_spares_locked(where, size)
-            missing = files - self._files_of_locked(namespace, rank)
+            missing = self._rotation_locked(where, files) - self._files_of_locked(namespace, rank)
         made = 0
         for _ in range(max(0, missing)):
             with self._lock:
