@@ -276,7 +276,10 @@ def carry_out_restarts(
             what = "its agent stopped and its shared memory was cleared; the agent is starting again"
         elif node.pending_action == move_nodes.MOVE:
             # Without agent processes of its own, the control plane hands the node off at once (an
-            # external agent registers with the target cluster's bootstrap token).
+            # external agent registers with the target cluster's bootstrap token); simulated nodes
+            # take the launch delay to detach.
+            if not provisioner.uses_agents and not _detached(node, now, ready_delay_s, outcome):
+                continue
             outcome.merge(_hand_off(session, cluster, node, now, ids=ids))
             continue
         elif provisioner.uses_agents:
@@ -317,3 +320,15 @@ def _hand_off(session: Session, cluster: Cluster, node: Node, now: datetime, *, 
     outcome = Outcome(changed=True, again=True)
     outcome.note_due(now)
     return outcome
+
+
+def _detached(node: Node, now: datetime, delay_s: float, outcome: Outcome) -> bool:
+    """Whether a simulated node's detach (the launch delay, from the first pass that saw it) is over."""
+    if node.action_due_at is None:
+        node.action_due_at = now + timedelta(seconds=delay_s)
+        outcome.changed = True
+    if now < node.action_due_at:
+        outcome.note_due(node.action_due_at)
+        return False
+    node.action_due_at = None
+    return True
