@@ -465,14 +465,16 @@ class Reconciler:
         """At start: every live node should have an agent. Those that a killed control plane left
         running are adopted as they are; the others (stopped by the last control plane's shutdown,
         or gone with a reboot) are started again on their nodes: same node id, same shared memory
-        directory, where each finds the shards it held (README, "What a restart keeps")."""
+        directory, where each finds the shards it held (README, "What a restart keeps"). The agent
+        of a node being moved away (DetachInProgress) is adopted if it still runs (it is draining:
+        the move waits for it to exit), never started again."""
         self._adopted = True
         if not self.provisioner.uses_agents:
             return
         with self.db.read() as session:
             nodes = session.scalars(
                 select(Node)
-                .where(Node.status.in_([*_COMING_UP, NodeStatus.RUNNING]))
+                .where(Node.status.in_([*_COMING_UP, NodeStatus.RUNNING, NodeStatus.DETACH_IN_PROGRESS]))
                 .options(selectinload(Node.cluster))
             ).all()
             # A node whose agent never registered may have an agent whose launch secret was never
@@ -487,7 +489,12 @@ class Reconciler:
             # A node lost to a NodeLoss fault stays lost (the heartbeat timeout fails it), as when
             # its agent crashes (_restart_crashed_agents).
             lost = {node_id for node in nodes for node_id in faults.lost_nodes(node.cluster)}
-            nodes = [node for node in nodes if node.id not in lost]
+            nodes = [
+                node
+                for node in nodes
+                if node.id not in lost
+                and (node.status != NodeStatus.DETACH_IN_PROGRESS or node.id in running)
+            ]
             what = {node.id: "adopted" if node.id in running else "started again" for node in nodes}
             by_cluster: dict[str, list[str]] = {}
             for node in nodes:
