@@ -21,8 +21,7 @@ from hyperpod_sim.api.operations import OPERATIONS
 from tests.conftest import EKS, ROLE, ControlPlane, group
 
 # Cluster operations of the model this build does not serve yet, with who brings them (issue 15).
-NOT_SERVED: dict[str, str] = {
-}
+NOT_SERVED: dict[str, str] = {}
 
 # Members returned only in a state this scenario does not reach, and where that is covered.
 CONDITIONAL: dict[str, str] = {
