@@ -21,9 +21,7 @@ from hyperpod_sim.api.operations import OPERATIONS
 from tests.conftest import EKS, ROLE, ControlPlane, group
 
 # Cluster operations of the model this build does not serve yet, with who brings them (issue 15).
-NOT_SERVED: dict[str, str] = {
-    "MoveClusterNodes": "moving nodes between clusters is not built yet (issue 15, docs/node-operations.md)",
-}
+NOT_SERVED: dict[str, str] = {}
 
 # Members returned only in a state this scenario does not reach, and where that is covered.
 CONDITIONAL: dict[str, str] = {
@@ -298,6 +296,24 @@ def node_operations(cp: ControlPlane, sm: Any) -> None:
     cp.settle(sm, "ops")
     for node in sm.list_cluster_nodes(ClusterName="ops")["ClusterNodeSummaries"]:  # LastSoftwareUpdateTime
         sm.describe_cluster_node(ClusterName="ops", NodeId=node["InstanceId"])
+    # MoveClusterNodes to another EKS cluster, by ids and by logical ids, one of each missing.
+    target = sm.create_cluster(
+        ClusterName="ops-target",
+        InstanceGroups=[group("workers", 1)],
+        Orchestrator=EKS,
+        NodeProvisioningMode="Continuous",
+    )["ClusterArn"]
+    cp.settle(sm, "ops-target")
+    source = sm.describe_cluster(ClusterName="ops")["ClusterArn"]
+    nodes = sm.list_cluster_nodes(ClusterName="ops", IncludeNodeLogicalIds=True)["ClusterNodeSummaries"]
+    where = {
+        "SourceClusterArn": source,
+        "SourceInstanceGroupName": "workers",
+        "TargetClusterArn": target,
+        "TargetInstanceGroupName": "workers",
+    }
+    sm.move_cluster_nodes(**where, NodeIds=[nodes[0]["InstanceId"], missing_id])
+    sm.move_cluster_nodes(**where, NodeLogicalIds=[nodes[1]["NodeLogicalId"], missing_logical])
 
 
 def missing_members(operation: str, seen: set[str]) -> tuple[list[str], set[str]]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 
-from hyperpod_sim.sdk.client import HyperPodClient
-from tests.conftest import ROLE, ControlPlane, wait_for
+from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
+from tests.conftest import EKS, ROLE, ControlPlane, wait_for
 from tests.test_faults import client, descriptions, sm, when
-from tests.test_memory_tier import cluster, replicated, url
+from tests.test_memory_tier import cluster, members, replicated, url
 from tests.test_resilience import (
     EVERY,
     RANK,
@@ -277,3 +278,98 @@ def test_an_added_node_gets_an_agent_and_joins_the_ring(
     details = sm.describe_cluster_node(ClusterName="grow", NodeId=new)["NodeDetails"]
     assert details["NodeLogicalId"] == added["NodeLogicalId"]
     assert sm.describe_cluster(ClusterName="grow")["ClusterStatus"] == "InService"
+
+
+# ---------------------------------------------------------------------- moved nodes
+
+
+def continuous_cluster(sm: Any, name: str, count: int, percentage: int) -> list[str]:
+    """An EKS cluster with NodeProvisioningMode Continuous and tiered storage, InService; its node ids."""
+    sm.create_cluster(
+        ClusterName=name,
+        InstanceGroups=[
+            {
+                "InstanceGroupName": "workers",
+                "InstanceType": "ml.p5.48xlarge",
+                "InstanceCount": count,
+                "ExecutionRole": ROLE,
+            }
+        ],
+        Orchestrator=EKS,
+        TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": percentage},
+        NodeProvisioningMode="Continuous",
+    )
+    wait_for(
+        lambda: sm.describe_cluster(ClusterName=name)["ClusterStatus"] == "InService",
+        timeout=90,
+        what=f"{name} InService",
+    )
+    return sorted(n["InstanceId"] for n in sm.list_cluster_nodes(ClusterName=name)["ClusterNodeSummaries"])
+
+
+def member_ids(plane: ControlPlane, name: str) -> list[str]:
+    return [n["InstanceId"] for n in members(plane, name)]
+
+
+def test_a_moved_node_drains_to_the_source_s3_and_serves_the_target_policy(
+    agent_plane: ControlPlane, sm: Any, client: HyperPodClient, s3: Any, bucket: str
+) -> None:
+    """A trainer saves on a node of ``src`` (no replicas: ReplicationFactor 0, S3 every 4 steps);
+    the node moves to ``dst``. Its agent stopped gracefully first, so the source's S3 has the newest
+    step, which a trainer on the other source node resumes from; the node, same id, runs an agent
+    of ``dst`` with ``dst``'s policy, in ``dst``'s replica ring and no longer in ``src``'s."""
+    moved, other = continuous_cluster(sm, "src", 2, percentage=20)
+    (resident,) = continuous_cluster(sm, "dst", 1, percentage=30)
+    set_policy(
+        agent_plane, sm, "src", S3BaseUri=f"s3://{bucket}/src", PersistEverySteps=4, ReplicationFactor=0
+    )
+    set_policy(
+        agent_plane, sm, "dst", S3BaseUri=f"s3://{bucket}/dst", PersistEverySteps=2, InMemoryRetention=2
+    )
+    before = agent_of(agent_plane, "src", moved)
+    for step in range(1, 11):
+        checkpoint(before, step)
+    wait_for(lambda: 8 in markers(s3, bucket, "src/job/"), timeout=60, what="step 8 on S3")
+
+    answer = sm.move_cluster_nodes(
+        SourceClusterArn=sm.describe_cluster(ClusterName="src")["ClusterArn"],
+        SourceInstanceGroupName="workers",
+        TargetClusterArn=sm.describe_cluster(ClusterName="dst")["ClusterArn"],
+        TargetInstanceGroupName="workers",
+        NodeIds=[moved],
+    )
+    assert answer["Successful"] == [moved]
+
+    def arrived() -> str | None:
+        try:
+            return restarted_agent(client, "dst", moved, other_than=before)
+        except ClusterError:  # still detaching in src
+            return None
+
+    after = wait_for(
+        arrived,
+        timeout=90,
+        what="the node Running in dst with a new agent",
+    )
+    # The source: the node is gone from its ring; its newest step is on its S3, put there by the
+    # graceful stop (the interval would have left step 8), and a trainer there resumes from it.
+    assert member_ids(agent_plane, "src") == [other]
+    assert 10 in markers(s3, bucket, "src/job/")
+    loaded = resume(agent_of(agent_plane, "src", other))
+    assert loaded.step == 10
+    assert loaded.served_by == {RANK: "s3"}
+    assert moved not in {node for s in steps_view(client, "src").values() for node in s["Memory"].values()}
+    # The target: the same node (id, logical id), in its ring, running its policy.
+    assert agent_of(agent_plane, "dst", moved) == after
+    assert sorted(member_ids(agent_plane, "dst")) == sorted([resident, moved])
+    policy = httpx.get(f"{after}/v1/policy").json()
+    assert policy["cluster_name"] == "dst"
+    assert policy["s3"]["base_uri"] == f"s3://{bucket}/dst"
+    assert policy["in_memory_retention"] == 2
+    details = client.describe_node("dst", moved)
+    assert (
+        details["AgentStatus"]["AppliedPolicyGeneration"] == details["AgentStatus"]["DesiredPolicyGeneration"]
+    )
+    texts = descriptions(client, "dst")
+    assert any(t.startswith(f"Node {moved} is attaching to group workers from group workers") for t in texts)
+    assert not any(t.startswith(f"Node {moved} failed") for t in descriptions(client, "src")), texts

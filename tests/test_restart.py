@@ -466,3 +466,73 @@ def test_creating_cluster_finishes_after_restart(
     finally:
         second.stop()
         kill_processes_under(tmp_path)
+
+
+def test_a_move_goes_on_after_a_restart_while_its_node_detaches(database_url: str, data_dir: Path) -> None:
+    """MoveClusterNodes: the moved node's agent takes its time to drain (tests/lingering_agent.py),
+    and the control plane is killed meanwhile. The next one finds the node DetachInProgress, adopts
+    the draining agent, waits for it, and hands the node off: it runs in the target group, same id."""
+    env = {
+        "HPSIM_PROVISIONING__MODE": "local",
+        "HPSIM_PROVISIONING__AGENT_COMMAND": json.dumps(LINGERING_AGENT),
+        "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.2",
+        "HPSIM_RECONCILER__INTERVAL_S": "0.2",
+        "HPSIM_S3__EMBEDDED": "false",
+    }
+    first = ServerProcess(database_url, data_dir, env).start()
+    try:
+        sm = first.client()
+        for name, count in (("src", 2), ("dst", 1)):
+            sm.create_cluster(
+                ClusterName=name,
+                InstanceGroups=[group("workers", count, "ml.g5.2xlarge")],
+                Orchestrator=EKS,
+                NodeProvisioningMode="Continuous",
+            )
+        with HyperPodClient(first.url) as client:
+            for name in ("src", "dst"):
+                client.wait_until_in_service(name, timeout=90)
+            moved, stays = sorted(n["InstanceId"] for n in client.list_nodes("src"))
+        arns = {name: sm.describe_cluster(ClusterName=name)["ClusterArn"] for name in ("src", "dst")}
+        sm.move_cluster_nodes(
+            SourceClusterArn=arns["src"],
+            SourceInstanceGroupName="workers",
+            TargetClusterArn=arns["dst"],
+            TargetInstanceGroupName="workers",
+            NodeIds=[moved],
+        )
+        # Its agent got its SIGTERM and exited; the wrapper lingers, as a long drain to S3 would.
+        wait_for(
+            lambda: len(find_agent_pids(moved)) == 1, timeout=30, what="the moved node's agent told to stop"
+        )
+    finally:
+        first.kill()
+
+    # The next control plane starts plain agents (the lingering one it adopts is the last one's).
+    plain = {key: value for key, value in env.items() if key != "HPSIM_PROVISIONING__AGENT_COMMAND"}
+    second = ServerProcess(database_url, data_dir, plain, port=first.port).start()
+    try:
+        sm = second.client()
+        status = sm.describe_cluster_node(ClusterName="src", NodeId=moved)["NodeDetails"]["InstanceStatus"]
+        assert status["Status"] == "DetachInProgress"
+        (data_dir / "agents" / moved / "release").touch()  # the drain is over
+
+        def running_in_target() -> bool:
+            listed = sm.list_cluster_nodes(ClusterName="dst")["ClusterNodeSummaries"]
+            return any(
+                n["InstanceId"] == moved and n["InstanceStatus"]["Status"] == "Running" for n in listed
+            )
+
+        wait_for(running_in_target, timeout=90, what="the moved node Running in dst")
+        src_nodes = sm.list_cluster_nodes(ClusterName="src")["ClusterNodeSummaries"]
+        assert [n["InstanceId"] for n in src_nodes] == [stays]
+        groups = {name: sm.describe_cluster(ClusterName=name)["InstanceGroups"][0] for name in ("src", "dst")}
+        assert {name: (g["CurrentCount"], g["TargetCount"]) for name, g in groups.items()} == {
+            "src": (1, 1),
+            "dst": (2, 2),
+        }
+        with HyperPodClient(second.url) as client:
+            moved_agent = client.describe_node("dst", moved)["AgentStatus"]["Endpoint"]
+        assert httpx.get(f"{moved_agent}/v1/policy", timeout=10).json()["cluster_name"] == "dst"
+    finally:
+        second.stop()

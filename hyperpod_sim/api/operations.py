@@ -25,6 +25,7 @@ from hyperpod_sim.domain.add_nodes import AddNodesService
 from hyperpod_sim.domain.clusters import EXTRA_MEMBERS, ClusterService, NodeDeletion
 from hyperpod_sim.domain.errors import UnknownOperationException
 from hyperpod_sim.domain.health_checks import HealthCheckService
+from hyperpod_sim.domain.move_nodes import MoveNodesService
 from hyperpod_sim.domain.node_operations import NodeOperations, NodeResults
 from hyperpod_sim.domain.software_update import SoftwareUpdateService
 from hyperpod_sim.models import Cluster, ClusterEvent, InstanceGroup, Node
@@ -409,6 +410,38 @@ def start_cluster_health_check(svc: ClusterService, p: Params) -> dict[str, Any]
     return {"ClusterArn": cluster.arn}
 
 
+def move_cluster_nodes(svc: ClusterService, p: Params) -> dict[str, Any]:
+    """Successful / Failed (``Code``, ``NodeId``) for NodeIds and InstanceCount, their logical-id
+    twins for NodeLogicalIds; an empty list is left out (the model's lists hold at least one)."""
+    service = MoveNodesService(
+        db=svc.db,
+        clock=svc.clock,
+        ids=svc.ids,
+        max_instances=svc.config.max_instances_per_cluster,
+        on_change=svc.on_change,
+    )
+    result = service.move(
+        source_cluster_arn=p["SourceClusterArn"],
+        source_group_name=p["SourceInstanceGroupName"],
+        target_cluster_arn=p["TargetClusterArn"],
+        target_group_name=p["TargetInstanceGroupName"],
+        node_ids=p.get("NodeIds"),
+        node_logical_ids=p.get("NodeLogicalIds"),
+        instance_count=p.get("InstanceCount"),
+        client_token=p.get("ClientToken"),
+    )
+    logical = result.by == "NodeLogicalIds"
+    key = "NodeLogicalId" if logical else "NodeId"
+    out: dict[str, Any] = {}
+    if result.successful:
+        out["SuccessfulNodeLogicalIds" if logical else "Successful"] = result.successful
+    if result.failed:
+        out["FailedNodeLogicalIds" if logical else "Failed"] = [
+            {"Code": code, "Message": message, key: node} for node, code, message in result.failed
+        ]
+    return out
+
+
 # ---------------------------------------------------------------------- events
 
 
@@ -483,6 +516,7 @@ OPERATIONS: dict[str, Handler] = {
     "UpdateClusterSoftware": update_cluster_software,
     "BatchAddClusterNodes": batch_add_cluster_nodes,
     "StartClusterHealthCheck": start_cluster_health_check,
+    "MoveClusterNodes": move_cluster_nodes,
     "ListClusterEvents": list_cluster_events,
     "DescribeClusterEvent": describe_cluster_event,
     "AddTags": add_tags,

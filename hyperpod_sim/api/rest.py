@@ -144,11 +144,28 @@ ROUTES = [
         body=True,
         example={"NodeIds": ["i-0123456789abcdef0"]},
     ),
-    # Node operations (nodeops): what they do to the agents and the checkpoint tiers is in
+    # Node operations: what they do to the agents and the checkpoint tiers is in
     # docs/node-operations.md. One row per operation, under the cluster its ClusterName names; an
     # operation naming its clusters by ARN in the body (MoveClusterNodes: SourceClusterArn,
-    # TargetClusterArn) takes a body-only path instead, as /cluster-node-volumes does:
-    # Route("POST", "/cluster-nodes/move", "MoveClusterNodes", "...", body=True, example={...}).
+    # TargetClusterArn) takes a body-only path instead, as /cluster-node-volumes does.
+    Route(
+        "POST",
+        "/cluster-nodes/move",
+        "MoveClusterNodes",
+        "Move running nodes into another instance group (of this or another cluster)",
+        body=True,
+        example={
+            "SourceClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/a1b2c3d4e5f6",
+            "SourceInstanceGroupName": "workers",
+            "TargetClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/f6e5d4c3b2a1",
+            "TargetInstanceGroupName": "workers",
+            "NodeIds": ["i-0123456789abcdef0"],
+        },
+        notes="Each node keeps its instance id and NodeLogicalId: DetachInProgress in the source "
+        "(its agent stops after persisting its unpersisted steps to the source's S3, its shared "
+        "memory is cleared), then AttachInProgress in the target, Running once its new agent applies "
+        "the target's policy.",
+    ),
     Route(
         "POST",
         "/clusters/{name}/nodes/batch-reboot",

@@ -24,7 +24,7 @@ from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.errors import AgentProtocolError
 from hyperpod_sim.domain.events import Level
-from hyperpod_sim.domain.lifecycle import LIVE, NodeStatus
+from hyperpod_sim.domain.lifecycle import LEAVING, LIVE, NodeStatus
 from hyperpod_sim.domain.policy import build_policy, ring
 from hyperpod_sim.models import CheckpointNamespace, Cluster, Database, Node
 
@@ -260,7 +260,7 @@ class AgentService:
             (
                 n
                 for n in cluster.nodes
-                if n.status == NodeStatus.PENDING
+                if n.status in (NodeStatus.PENDING, NodeStatus.ATTACH_IN_PROGRESS)
                 and n.endpoint is None
                 and n.token_hash is None
                 and n.launch_secret_hash is None
@@ -388,12 +388,13 @@ class AgentService:
     def members(self, *, cluster_name: str, token: str | None) -> dict[str, Any]:
         with self.db.read() as session:
             cluster = self._cluster_for(session, cluster_name, token)
-            # Shutting-down nodes too: their agents are draining to S3 and still answer their
-            # peers (a persist asks every agent for the ranks it holds) until they exit.
+            # Shutting-down nodes too (and nodes moving away, MoveClusterNodes): their agents are
+            # draining to S3 and still answer their peers (a persist asks every agent for the ranks
+            # it holds) until they exit.
             live = [
                 n
                 for n in cluster.nodes
-                if n.status in LIVE or (n.status == NodeStatus.SHUTTING_DOWN and n.endpoint is not None)
+                if n.status in LIVE or (n.status in LEAVING and n.endpoint is not None)
             ]
             return {
                 "members": [

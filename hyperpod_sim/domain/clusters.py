@@ -453,6 +453,14 @@ class ClusterService:
                         result.failed.append(
                             (key, "InvalidNodeStatus", f"Node {key} is already shutting down.")
                         )
+                    elif node.status == NodeStatus.DETACH_IN_PROGRESS:
+                        result.failed.append(
+                            (
+                                key,
+                                "InvalidNodeStatus",
+                                f"Node {key} is moving to another instance group (MoveClusterNodes).",
+                            )
+                        )
                     else:
                         events.move(
                             session,

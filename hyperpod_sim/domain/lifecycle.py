@@ -35,6 +35,10 @@ class NodeStatus(StrEnum):
     SYSTEM_UPDATING = "SystemUpdating"
     # StartClusterHealthCheck runs its deep health checks (domain/health_checks.py).
     DEEP_HEALTH_CHECK_IN_PROGRESS = "DeepHealthCheckInProgress"
+    # MoveClusterNodes (domain/move_nodes.py): in its source group while its agent stops, then in
+    # the target group until its new agent has registered there and applied the target's policy.
+    DETACH_IN_PROGRESS = "DetachInProgress"
+    ATTACH_IN_PROGRESS = "AttachInProgress"
 
 
 class GroupStatus(StrEnum):
@@ -91,7 +95,15 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
             NodeStatus.SHUTTING_DOWN,
             NodeStatus.SYSTEM_UPDATING,
             NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+            NodeStatus.DETACH_IN_PROGRESS,
         }
+    ),
+    # Attaching once its agent has stopped (in the target group, or back in its own when the target
+    # went meanwhile); shut down with its cluster when that is deleted first.
+    NodeStatus.DETACH_IN_PROGRESS: frozenset({NodeStatus.ATTACH_IN_PROGRESS, NodeStatus.SHUTTING_DOWN}),
+    # Running once its new agent is back with the target's policy; failed if it does not come back.
+    NodeStatus.ATTACH_IN_PROGRESS: frozenset(
+        {NodeStatus.RUNNING, NodeStatus.FAILURE, NodeStatus.SHUTTING_DOWN}
     ),
     # Running again when it passes; Failure (then replaced, with NodeRecovery: Automatic) when not.
     NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS: frozenset(
@@ -128,14 +140,19 @@ SOFTWARE_UPDATE_TRANSITIONS: dict[SoftwareUpdateStatus, frozenset[SoftwareUpdate
     },
 }
 
-# A node's statuses while it is a member of its cluster (of the replica ring, of the policy).
+# A node's statuses while it is a member of its cluster (of the replica ring, of the policy). A
+# node being moved away (DetachInProgress) is no longer one; a node moved in (AttachInProgress) is.
 LIVE = (
     NodeStatus.PENDING,
     NodeStatus.RUNNING,
     NodeStatus.FAILURE,
     NodeStatus.SYSTEM_UPDATING,
     NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+    NodeStatus.ATTACH_IN_PROGRESS,
 )
+
+# Statuses of a node on its way out of its group: it counts towards none of its group's counts.
+LEAVING = (NodeStatus.SHUTTING_DOWN, NodeStatus.DETACH_IN_PROGRESS)
 
 # Statuses in which the cluster accepts UpdateCluster / DeleteCluster / node deletion.
 MUTABLE = frozenset({ClusterStatus.IN_SERVICE})

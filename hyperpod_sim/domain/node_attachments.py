@@ -4,9 +4,10 @@ DetachClusterNodeVolume, AttachClusterNodeNetworkInterface).
 hyperpod-sim has no EC2: a volume or an ENI is an id the caller names, and attaching it records
 which node holds it (one node at a time), under which device name (``/dev/xvdb`` onwards for
 volumes). Nothing is mounted or plugged in, so an attachment completes within the request: the
-answer says ``attached`` (``detached``), and nodes never show AttachInProgress/DetachInProgress.
-An attachment goes with its node: a replaced node is fresh hardware, without it
-(docs/cluster-operations.md).
+answer says ``attached`` (``detached``); a node is AttachInProgress/DetachInProgress only while
+MoveClusterNodes moves it (domain/move_nodes.py). An attachment goes with its node: a replaced node
+is fresh hardware, without it; a moved node keeps its network interfaces (its volumes must be
+detached first) (docs/cluster-operations.md).
 
 Rules kept as documented: volumes on EKS-orchestrated clusters only, the cluster InService, the
 node in the cluster and not in a restricted instance group; a volume must be attached to the node

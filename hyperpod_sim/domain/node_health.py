@@ -24,6 +24,9 @@ from hyperpod_sim.models import Cluster, Node
 RESTART_WINDOW_S = 60.0
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
+# Nodes failed when their agent is silent past its deadline (a moved node's new agent has the
+# launch timeout to register in its target cluster).
+_HEARD = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.ATTACH_IN_PROGRESS)
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class NodeHealth:
         replaced = False
         for node in list(cluster.nodes):
             reason = None
-            if node.status in (NodeStatus.PENDING, NodeStatus.RUNNING) and node.id not in restart_pending:
+            if node.status in _HEARD and node.id not in restart_pending:
                 # (A node whose agent is being restarted, as in a kubelet's CrashLoopBackOff, stays
                 # up through the backoff; the restarted agent then has the launch timeout.)
                 reason = self._silence(node, now, back, started_again_and_silent(node), outcome)
@@ -134,6 +137,8 @@ class NodeHealth:
             # keep its node alive.
             deadline = max(last_heartbeat, back) + heartbeat_timeout + launch_timeout
             why = "was started again with the control plane" if started_again else "crashed and was restarted"
+            if node.status == NodeStatus.ATTACH_IN_PROGRESS:
+                why = "was started on the node moved here (MoveClusterNodes)"
             reason = f"its agent {why}, but did not register within {self.launch_timeout_s:g} s"
         elif last_heartbeat is not None:
             deadline = max(last_heartbeat, back) + heartbeat_timeout

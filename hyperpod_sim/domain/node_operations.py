@@ -33,7 +33,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
-from hyperpod_sim.domain import credentials, events, faults, operations
+from hyperpod_sim.domain import credentials, events, faults, move_nodes, operations
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.cluster_reads import locked_cluster
 from hyperpod_sim.domain.errors import ValidationException
@@ -46,10 +46,18 @@ from hyperpod_sim.models import Cluster, Database, Node
 
 REBOOT = "Reboot"
 SOFTWARE_UPDATE = "SoftwareUpdate"
-# A node added by BatchAddClusterNodes, whose agent the reconciler is to start.
+# A node added by BatchAddClusterNodes, or moved in by MoveClusterNodes, whose agent the
+# reconciler is to start.
 LAUNCH = "Launch"
-# The status a node has while each restarting operation is under way.
-_RESTARTS = {REBOOT: NodeStatus.PENDING, SOFTWARE_UPDATE: NodeStatus.SYSTEM_UPDATING}
+# The status a node has while each restarting operation is under way (a move stops the agent as
+# a reboot does, then hands the node off to its target group: domain/move_nodes.py).
+_RESTARTS = {
+    REBOOT: NodeStatus.PENDING,
+    SOFTWARE_UPDATE: NodeStatus.SYSTEM_UPDATING,
+    move_nodes.MOVE: NodeStatus.DETACH_IN_PROGRESS,
+}
+# The statuses in which a node waits for the launch of its agent.
+_LAUNCHED = (NodeStatus.PENDING, NodeStatus.ATTACH_IN_PROGRESS)
 # Statuses from which a node can be rebooted or replaced.
 ACTIONABLE = (NodeStatus.RUNNING, NodeStatus.FAILURE)
 
@@ -227,15 +235,16 @@ def carry_out_restarts(
     ready_delay_s: float,
 ) -> Outcome:
     """One reconcile phase: the agent of each node being rebooted (or updated, in its batch of a
-    rolling software update) is stopped gracefully (it drains to S3); once it is gone, the node's
-    shared memory is cleared and its agent started again, as a new process that registers with a
-    new launch secret. Until then the node is not failed for its agent's silence
+    rolling software update, or moved by MoveClusterNodes) is stopped gracefully (it drains to S3);
+    once it is gone, the node's shared memory is cleared and its agent started again, as a new
+    process that registers with a new launch secret (a moved node's, once it is handed off to its
+    target cluster, by that cluster's pass). Until then the node is not failed for its agent's silence
     (``restart_pending``)."""
     outcome = Outcome()
-    for node in cluster.nodes:
+    for node in list(cluster.nodes):  # a moved node leaves the list
         if node.pending_action == LAUNCH:
             node.pending_action = None
-            if node.status == NodeStatus.PENDING:
+            if node.status in _LAUNCHED:
                 node.ready_at = now + timedelta(seconds=ready_delay_s)
                 if provisioner.uses_agents:
                     outcome.launches.append(node.id)
@@ -254,6 +263,9 @@ def carry_out_restarts(
                 outcome.converged = False  # looked at again on the next tick
                 continue
             provisioner.wipe_memory(node)
+            if node.pending_action == move_nodes.MOVE:
+                outcome.merge(_hand_off(session, cluster, node, now, ids=ids))
+                continue
             # The agent registers again (with a new launch secret) and applies the policy anew; it
             # has the launch timeout to do so, counted from now.
             node.endpoint = None
@@ -262,6 +274,14 @@ def carry_out_restarts(
             node.last_heartbeat = node.last_heartbeat or now
             outcome.launches.append(node.id)
             what = "its agent stopped and its shared memory was cleared; the agent is starting again"
+        elif node.pending_action == move_nodes.MOVE:
+            # Without agent processes of its own, the control plane hands the node off at once (an
+            # external agent registers with the target cluster's bootstrap token); simulated nodes
+            # take the launch delay to detach.
+            if not provisioner.uses_agents and not _detached(node, now, ready_delay_s, outcome):
+                continue
+            outcome.merge(_hand_off(session, cluster, node, now, ids=ids))
+            continue
         elif provisioner.uses_agents:
             # Its agent, started elsewhere, stays registered; it applies the policy again.
             node.registered_at = now
@@ -287,3 +307,28 @@ def carry_out_restarts(
         )
         outcome.changed = True
     return outcome
+
+
+def _hand_off(session: Session, cluster: Cluster, node: Node, now: datetime, *, ids: Ids) -> Outcome:
+    """A moving node whose agent has stopped goes to its target group (domain/move_nodes.py), where
+    the target cluster's pass starts its new agent (LAUNCH)."""
+    if not move_nodes.hand_off(session, cluster, node, now, ids=ids):
+        return Outcome(converged=False)  # the target cluster is held by another pass: next time
+    if node.status == NodeStatus.ATTACH_IN_PROGRESS:
+        node.pending_action = LAUNCH
+    # The target cluster's pass launches the agent: right away, not after the reconcile interval.
+    outcome = Outcome(changed=True, again=True)
+    outcome.note_due(now)
+    return outcome
+
+
+def _detached(node: Node, now: datetime, delay_s: float, outcome: Outcome) -> bool:
+    """Whether a simulated node's detach (the launch delay, from the first pass that saw it) is over."""
+    if node.action_due_at is None:
+        node.action_due_at = now + timedelta(seconds=delay_s)
+        outcome.changed = True
+    if now < node.action_due_at:
+        outcome.note_due(node.action_due_at)
+        return False
+    node.action_due_at = None
+    return True

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.clock import Ids
 from hyperpod_sim.domain.events import Level
-from hyperpod_sim.domain.lifecycle import NodeStatus
+from hyperpod_sim.domain.lifecycle import LEAVING, NodeStatus
 from hyperpod_sim.models import Cluster, InstanceGroup, Node
 
 
@@ -26,11 +26,7 @@ def new_node(
     """A Pending node in ``group`` (in ``slot``, or the lowest free one), with its event; its agent
     starts once the transaction has committed."""
     if slot is None:
-        taken = {
-            n.slot
-            for n in cluster.nodes
-            if n.group_name == group.name and n.status != NodeStatus.SHUTTING_DOWN
-        }
+        taken = {n.slot for n in cluster.nodes if n.group_name == group.name and n.status not in LEAVING}
         slot = next(i for i in range(len(taken) + 1) if i not in taken)
     node_id = ids.node_id()
     node = Node(

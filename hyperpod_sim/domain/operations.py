@@ -10,7 +10,8 @@ current one, every event recorded for the cluster carries its id (ListClusterEve
 Who records one: CreateCluster, UpdateCluster and DeleteCluster (``Scaling``, over the groups),
 BatchDeleteClusterNodes (``Scaling``, over the deleted nodes), BatchRebootClusterNodes,
 BatchReplaceClusterNodes, UpdateClusterSoftware and StartClusterHealthCheck (over the nodes they
-act on). :func:`settle` ends each once its work is done.
+act on), MoveClusterNodes (one in the source cluster, Done once its nodes have left, and one in the
+target cluster, Done once they are Running there). :func:`settle` ends each once its work is done.
 
 Types: the model's ClusterOperationType has ``Scaling`` and ``DeepHealthCheck``; node
 operations without a model type use hyperpod-sim's own (``OperationType``), returned as they
@@ -30,9 +31,9 @@ from sqlalchemy.orm import Session
 from hyperpod_sim.domain.clock import Ids
 from hyperpod_sim.domain.cluster_reads import get_cluster
 from hyperpod_sim.domain.errors import ResourceNotFound
-from hyperpod_sim.domain.lifecycle import ClusterStatus, NodeStatus
+from hyperpod_sim.domain.lifecycle import LEAVING, ClusterStatus, NodeStatus
 from hyperpod_sim.domain.pages import Page, paginate
-from hyperpod_sim.models import Cluster, ClusterEvent, ClusterOperation, Database, InstanceGroup
+from hyperpod_sim.models import Cluster, ClusterEvent, ClusterOperation, Database, InstanceGroup, Node
 
 
 class OperationType(StrEnum):
@@ -42,6 +43,7 @@ class OperationType(StrEnum):
     REBOOT = "Reboot"
     REPLACE = "Replace"
     SOFTWARE_UPDATE = "SoftwareUpdate"
+    MOVE = "Move"
 
 
 class OperationStatus(StrEnum):
@@ -76,10 +78,10 @@ def scaling_details(
 
 
 def live_counts(cluster: Cluster) -> dict[str, int]:
-    """Live nodes (not shutting down) per group name."""
+    """Live nodes (not shutting down, not moving away) per group name."""
     counts: dict[str, int] = {}
     for node in cluster.nodes:
-        if node.status != NodeStatus.SHUTTING_DOWN:
+        if node.status not in LEAVING:
             counts[node.group_name] = counts.get(node.group_name, 0) + 1
     return counts
 
@@ -104,6 +106,7 @@ def start_operation(
     node_ids: Sequence[str] = (),
     scaling: list[dict[str, Any]] | None = None,
     health_checks: list[dict[str, Any]] | None = None,
+    move: dict[str, Any] | None = None,
 ) -> ClusterOperation:
     """Record a new operation on ``cluster``, in progress, in the caller's transaction (the
     cluster row locked by the caller), and make it the cluster's current one: the operation
@@ -113,7 +116,9 @@ def start_operation(
     ``"BatchRebootClusterNodes"``); ``node_ids``: the nodes it acts on (settle() ends it once
     none of them is shutting down any more, with the cluster InService); ``scaling``: its
     ScalingDetails (see scaling_details); ``health_checks``: its DeepHealthCheckDetails, in the
-    wire shape (``[{"InstanceGroupName", "InstanceIds", "DeepHealthChecks"}]``). Returns the
+    wire shape (``[{"InstanceGroupName", "InstanceIds", "DeepHealthChecks"}]``); ``move``: a
+    MoveClusterNodes request's ClientToken, parameters and answer (kept, not returned: a retry with
+    the token answers the same, domain/move_nodes.py). Returns the
     record; its ``id`` is the OperationId. Events of the cluster recorded earlier in the same
     transaction (the request's own) carry its id too.
     """
@@ -126,6 +131,8 @@ def start_operation(
         details["ScalingDetails"] = scaling
     if health_checks is not None:
         details["DeepHealthCheckDetails"] = health_checks
+    if move is not None:
+        details["Move"] = move
     operation = ClusterOperation(
         id=ids.event_id(),
         cluster_id=cluster.id,
@@ -233,6 +240,9 @@ def settle(session: Session, *, cluster: Cluster, now: datetime) -> None:
             (n.id in waiting and n.pending_action is not None) or n.status in _UNSETTLED
             for n in cluster.nodes
         )
+        if operation.type == OperationType.MOVE and not busy:
+            # The target cluster's record of a move waits for the nodes still detaching elsewhere.
+            busy = _arriving(session, waiting - {n.id for n in cluster.nodes}, cluster)
     if not busy:
         finish_operation(session, now=now, cluster=cluster, operation_id=operation.id)
 
@@ -242,7 +252,19 @@ _UNSETTLED = (
     NodeStatus.SHUTTING_DOWN,
     NodeStatus.SYSTEM_UPDATING,
     NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+    NodeStatus.DETACH_IN_PROGRESS,
+    NodeStatus.ATTACH_IN_PROGRESS,
 )
+
+
+def _arriving(session: Session, node_ids: set[str], cluster: Cluster) -> bool:
+    """Whether any of ``node_ids`` is still detaching from another cluster on its way here."""
+    if not node_ids:
+        return False
+    found = session.scalars(
+        select(Node).where(Node.id.in_(node_ids), Node.status == NodeStatus.DETACH_IN_PROGRESS)
+    )
+    return any((n.move or {}).get("TargetClusterId") == cluster.id for n in found)
 
 
 # ---------------------------------------------------------------------- reads

@@ -65,6 +65,7 @@ def claim_pushes(cluster: Cluster, now: datetime, config: PushConfig) -> Outcome
                 NodeStatus.RUNNING,
                 NodeStatus.SYSTEM_UPDATING,
                 NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+                NodeStatus.ATTACH_IN_PROGRESS,
             )
             or node.endpoint is None
             or node.push_token is None  # no agent registered with this control plane's tokens

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, selectinload
 from hyperpod_sim.domain import events, faults, health_checks, node_operations, operations, software_update
 from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
 from hyperpod_sim.domain.clock import Clock, Ids
-from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus, bump_generation
+from hyperpod_sim.domain.lifecycle import LEAVING, ClusterStatus, GroupStatus, NodeStatus, bump_generation
 from hyperpod_sim.domain.node_health import NodeHealth
 from hyperpod_sim.domain.nodes import fail_node, new_node
 from hyperpod_sim.domain.outcome import Outcome
@@ -150,7 +150,13 @@ class Reconciler:
         if not self.provisioner.uses_agents:
             busy_nodes = select(Node.cluster_id).where(
                 Node.status.in_(
-                    [NodeStatus.PENDING, NodeStatus.SHUTTING_DOWN, NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS]
+                    [
+                        NodeStatus.PENDING,
+                        NodeStatus.SHUTTING_DOWN,
+                        NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+                        NodeStatus.DETACH_IN_PROGRESS,
+                        NodeStatus.ATTACH_IN_PROGRESS,
+                    ]
                 )
             )
             query = query.where(
@@ -401,27 +407,34 @@ class Reconciler:
         if node.status == NodeStatus.FAILURE:
             return False
         if not self.provisioner.uses_agents:
-            if node.status == NodeStatus.PENDING:
-                if self.provisioner.is_ready(node, now):
-                    events.move(session, node, NodeStatus.RUNNING, ids=self.ids, now=now)
+            if node.status in _COMING_UP:
+                if node.pending_action is None and self.provisioner.is_ready(node, now):
+                    self._running(session, cluster, node, now)
                     outcome.changed = True
                 else:
                     outcome.note_due(node.ready_at)
                     return False
             return True
         current = node.registered_at is not None and node.acked_generation >= cluster.generation
-        if node.status == NodeStatus.PENDING and current:
-            events.move(
-                session,
-                node,
-                NodeStatus.RUNNING,
-                ids=self.ids,
-                now=now,
-                cluster=cluster,
-                description=f"Node {node.id} is Running (policy generation {cluster.generation}).",
-            )
+        if node.status in _COMING_UP and current:
+            self._running(session, cluster, node, now)
             outcome.changed = True
         return node.status == NodeStatus.RUNNING and current
+
+    def _running(self, session: Session, cluster: Cluster, node: Node, now: datetime) -> None:
+        """A Pending node (or one attaching after MoveClusterNodes) is Running."""
+        description = None
+        if self.provisioner.uses_agents:
+            description = f"Node {node.id} is Running (policy generation {cluster.generation})."
+        if node.status == NodeStatus.ATTACH_IN_PROGRESS:
+            description = f"Node {node.id} is Running in group {node.group_name} (MoveClusterNodes)" + (
+                f"; policy generation {cluster.generation}." if self.provisioner.uses_agents else "."
+            )
+            node.move = None
+            node.status_message = None
+        events.move(
+            session, node, NodeStatus.RUNNING, ids=self.ids, now=now, cluster=cluster, description=description
+        )
 
     def _started_again_and_silent(self, node: Node) -> bool:
         """Whether this control plane started the node's agent again at its start and has not
@@ -452,21 +465,23 @@ class Reconciler:
         """At start: every live node should have an agent. Those that a killed control plane left
         running are adopted as they are; the others (stopped by the last control plane's shutdown,
         or gone with a reboot) are started again on their nodes: same node id, same shared memory
-        directory, where each finds the shards it held (README, "What a restart keeps")."""
+        directory, where each finds the shards it held (README, "What a restart keeps"). The agent
+        of a node being moved away (DetachInProgress) is adopted if it still runs (it is draining:
+        the move waits for it to exit), never started again."""
         self._adopted = True
         if not self.provisioner.uses_agents:
             return
         with self.db.read() as session:
             nodes = session.scalars(
                 select(Node)
-                .where(Node.status.in_([NodeStatus.PENDING, NodeStatus.RUNNING]))
+                .where(Node.status.in_([*_COMING_UP, NodeStatus.RUNNING, NodeStatus.DETACH_IN_PROGRESS]))
                 .options(selectinload(Node.cluster))
             ).all()
             # A node whose agent never registered may have an agent whose launch secret was never
             # committed (the last control plane was killed between starting it and its commit):
             # such agents are started again, with a secret of this control plane's.
             unregistered = {
-                node.id for node in nodes if node.status == NodeStatus.PENDING and node.token_hash is None
+                node.id for node in nodes if node.status in _COMING_UP and node.token_hash is None
             }
             running = self.provisioner.adopt_agents(live=[n.id for n in nodes], unregistered=unregistered)
             if running is None:
@@ -474,7 +489,12 @@ class Reconciler:
             # A node lost to a NodeLoss fault stays lost (the heartbeat timeout fails it), as when
             # its agent crashes (_restart_crashed_agents).
             lost = {node_id for node in nodes for node_id in faults.lost_nodes(node.cluster)}
-            nodes = [node for node in nodes if node.id not in lost]
+            nodes = [
+                node
+                for node in nodes
+                if node.id not in lost
+                and (node.status != NodeStatus.DETACH_IN_PROGRESS or node.id in running)
+            ]
             what = {node.id: "adopted" if node.id in running else "started again" for node in nodes}
             by_cluster: dict[str, list[str]] = {}
             for node in nodes:
@@ -542,15 +562,20 @@ def _stopping(counts: Counter[str]) -> str:
     )
 
 
+# A node on its way to Running: a new or rebooted one, or one moved in (MoveClusterNodes).
+_COMING_UP = (NodeStatus.PENDING, NodeStatus.ATTACH_IN_PROGRESS)
+
+
 def _members(cluster: Cluster) -> set[str]:
-    """The nodes of the replica ring: every one not on its way out."""
-    return {n.id for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN}
+    """The nodes of the replica ring: every one not on its way out (shutting down, moving away)."""
+    return {n.id for n in cluster.nodes if n.status not in LEAVING}
 
 
 def _live_by_group(cluster: Cluster) -> dict[str, list[Node]]:
-    """Each group's nodes that are not on their way out (those are part of no group)."""
+    """Each group's nodes that are not on their way out (shutting down or moving away: those count
+    towards no group)."""
     live: dict[str, list[Node]] = {}
     for node in cluster.nodes:
-        if node.status != NodeStatus.SHUTTING_DOWN:
+        if node.status not in LEAVING:
             live.setdefault(node.group_name, []).append(node)
     return live

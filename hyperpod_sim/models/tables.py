@@ -150,6 +150,9 @@ class Node(Base):
     # The image release version the node runs (UpdateClusterSoftware), and when it last changed.
     image_version: Mapped[str | None] = mapped_column(String(64))
     last_software_update: Mapped[datetime | None]
+    # MoveClusterNodes under way (hyperpod_sim/domain/move_nodes.py): where the node goes and whence,
+    # {"SourceClusterId", "SourceGroup", "TargetClusterId", "TargetGroup"}; None once it is there.
+    move: Mapped[dict[str, Any] | None]
 
     cluster: Mapped[Cluster] = relationship(back_populates="nodes")
 
