@@ -17,5 +17,11 @@ if [ "$shm_kb" -lt $((48 * 1024 * 1024)) ]; then
     mount -o remount,size=64g /dev/shm || mount -t tmpfs -o size=64g tmpfs /dev/shm
 fi
 df -h /dev/shm | tail -1
+# The CUDA tests first (tests/test_cuda_staging.py: the side stream, the pinned rotation, a CUDA
+# state saved and loaded back); their result is kept whatever it is, and the bench runs after.
+set +e
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda_staging.py 2>&1 | tee "$OUT/cuda_tests.txt"
+echo "cuda tests exit ${PIPESTATUS[0]}" | tee -a "$OUT/cuda_tests.txt"
+set -e
 python3 bench/checkpoint_path.py --device cuda --sizes "${SIZES:-4096}" --repeats "${REPEATS:-6}" \
     --skip-library --json "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu.txt"

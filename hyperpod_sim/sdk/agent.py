@@ -55,6 +55,7 @@ from hyperpod_sim.contracts.shards import (
     parse_shard_meta,
     shard_meta,
 )
+from hyperpod_sim.sdk.device_copy import CudaHostRegistrar, HostRegistrar
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class _Mapping:
     size: int
     inode: tuple[int, int]  # device and inode of the file mapped: reused only for that same file
     pinned: bool = False  # registered with CUDA as page-locked host memory
+    pin_refused: bool = False  # the driver refused to register it: not asked again
 
 
 @dataclass
@@ -206,8 +208,11 @@ class AgentClient:
         timeout_s: float = 600.0,
         shm_root: str | os.PathLike[str] | None = None,
         checkpoint_token: str | None = None,
+        host_registrar: HostRegistrar | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # Registers mapped buffers as pinned memory for device-to-host copies (sdk/device_copy.py).
+        self._registrar: HostRegistrar = host_registrar or CudaHostRegistrar()
         self.fast_path = fast_path
         self.shm_root = os.fspath(shm_root) if shm_root is not None else shm_root_from()
         token = checkpoint_token or os.environ.get("HPSIM_CHECKPOINT_TOKEN")
@@ -232,13 +237,28 @@ class AgentClient:
             self.abort(write.token)  # the agent keeps its file as the rank's spare
         with self._lock:
             for entry in self._mappings.values():
-                _unmap(entry)
+                self._unmap(entry)
             self._mappings.clear()
             for mapping, _ in self._read_maps.values():
                 with contextlib.suppress(BufferError):
                     mapping.close()
             self._read_maps.clear()
         self._http.close()
+
+    def _pin(self, entry: _Mapping) -> None:
+        """Register a mapping as pinned memory once in its life (never again per step), so that
+        device-to-host copies into it run at DMA speed; one the driver refused is not asked again."""
+        if entry.pinned or entry.pin_refused or not entry.size:
+            return
+        entry.pinned = self._registrar.register(_address(entry.mapping), entry.size)
+        entry.pin_refused = not entry.pinned
+
+    def _unmap(self, entry: _Mapping) -> None:
+        if entry.pinned:  # unregistered while it is still mapped
+            self._registrar.unregister(_address(entry.mapping))
+            entry.pinned = False
+        with contextlib.suppress(BufferError):  # a view is still out: unmapped when it is released
+            entry.mapping.close()
 
     # ------------------------------------------------------------------ protocol
 
@@ -379,7 +399,7 @@ class AgentClient:
             size,
             buffer_id,
             view,
-            lambda: _pin_for_cuda(entry),
+            lambda: self._pin(entry),
             namespace=namespace,
             rank=rank,
             step=step,
@@ -402,7 +422,7 @@ class AgentClient:
                     self._mappings.move_to_end(buffer_id)
                     return entry
                 if entry is not None:
-                    _unmap(self._mappings.pop(buffer_id))
+                    self._unmap(self._mappings.pop(buffer_id))
                 populate = getattr(mmap, "MAP_POPULATE", 0)
                 mapping = (
                     mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | populate)
@@ -412,7 +432,7 @@ class AgentClient:
                 entry = _Mapping(mapping, size, inode)
                 self._mappings[buffer_id] = entry
                 while len(self._mappings) > MAX_MAPPINGS:
-                    _unmap(self._mappings.popitem(last=False)[1])
+                    self._unmap(self._mappings.popitem(last=False)[1])
                 return entry
         finally:
             os.close(fd)
@@ -554,13 +574,6 @@ class LocalCopy:
     release: Callable[[], None]
 
 
-def _unmap(entry: _Mapping) -> None:
-    if entry.pinned:
-        _unpin(entry)
-    with contextlib.suppress(BufferError):  # a view is still out: unmapped when it is released
-        entry.mapping.close()
-
-
 def _address(mapping: mmap.mmap) -> int:
     import ctypes
 
@@ -569,29 +582,3 @@ def _address(mapping: mmap.mmap) -> int:
         return ctypes.addressof(holder)
     finally:
         del holder
-
-
-def _pin_for_cuda(entry: _Mapping) -> None:
-    """Register the mapping as page-locked memory once, so device-to-host copies into it run at
-    full DMA speed (torch copies into unregistered memory through a staging buffer)."""
-    if entry.pinned or not entry.size:
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        return
-    result = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
-        _address(entry.mapping), entry.size, 0
-    )
-    entry.pinned = int(result) == 0 if not isinstance(result, tuple) else int(result[0]) == 0
-    if not entry.pinned:
-        log.info(
-            "cudaHostRegister of a %d-byte buffer failed (%s); copies will be slower", entry.size, result
-        )
-
-
-def _unpin(entry: _Mapping) -> None:
-    import torch
-
-    torch.cuda.cudart().cudaHostUnregister(_address(entry.mapping))  # type: ignore[no-untyped-call]
-    entry.pinned = False

@@ -32,6 +32,7 @@ from torch.futures import Future
 from hyperpod_sim.sdk import metadata as codec
 from hyperpod_sim.sdk.agent import FastWrite, ReservationLost
 from hyperpod_sim.sdk.checkpoint_config import TieredCheckpointConfig, current_rank, step_of
+from hyperpod_sim.sdk.device_copy import DeviceCopies
 from hyperpod_sim.sdk.metadata import ShardRef
 
 log = logging.getLogger(__name__)
@@ -181,8 +182,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             else torch.empty(0, dtype=torch.uint8)
         )
         if any(t.is_cuda for t in tensors):
-            write.pin_for_cuda()
+            write.pin_for_cuda()  # once per mapped buffer, not per step (sdk/device_copy.py)
         copies: dict[int, torch.Tensor] = {}
+        device_copies = DeviceCopies()  # CUDA tensors on a side stream
 
         def place(tensor: torch.Tensor) -> torch.Tensor:
             if id(tensor) in copies:
@@ -190,13 +192,12 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             start = offsets[id(tensor)]
             nbytes = tensor.numel() * tensor.element_size()
             dest = buffer[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
-            dest.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+            device_copies.copy(dest, tensor.detach())
             copies[id(tensor)] = dest
             return dest
 
         staged: dict[str, Any] = _map_tensors(state_dict, place)
-        if any(t.is_cuda for t in tensors):
-            torch.cuda.synchronize()
+        device_copies.wait()
         self._staged = _Staged(write, buffer.data_ptr() if write.size else 0, _aligned(end))
         self.stage_seconds = time.perf_counter() - started
         return staged
@@ -249,19 +250,19 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             )
             if any(isinstance(p, torch.Tensor) and p.is_cuda for _, p, _, _ in layout):
                 write.pin_for_cuda()
+            device_copies = DeviceCopies()
             for _, payload, offset, length in layout:
-                _copy_into(target, offset, payload, length)
-            if any(isinstance(p, torch.Tensor) and p.is_cuda for _, p, _, _ in layout):
-                torch.cuda.synchronize()
+                _copy_into(target, offset, payload, length, device_copies)
+            device_copies.wait()
             del target
             self._client.commit(write, size=end)
         else:
             body = bytearray(end)
             target = torch.frombuffer(body, dtype=torch.uint8) if end else torch.empty(0, dtype=torch.uint8)
+            device_copies = DeviceCopies()  # into pageable memory here
             for _, payload, offset, length in layout:
-                _copy_into(target, offset, payload, length)
-            if any(isinstance(p, torch.Tensor) and p.is_cuda for _, p, _, _ in layout):
-                torch.cuda.synchronize()  # device-to-host copies into pageable memory, too
+                _copy_into(target, offset, payload, length, device_copies)
+            device_copies.wait()
             del target
             self._client.put(self.config.namespace, self.rank, self.step, body)
         return [_result(item, self.rank, offset, length, payload) for item, payload, offset, length in layout]
@@ -382,13 +383,18 @@ def _nbytes(payload: torch.Tensor | memoryview) -> int:
     return payload.nbytes
 
 
-def _copy_into(buffer: torch.Tensor, offset: int, payload: torch.Tensor | memoryview, length: int) -> None:
+def _copy_into(
+    buffer: torch.Tensor,
+    offset: int,
+    payload: torch.Tensor | memoryview,
+    length: int,
+    device_copies: DeviceCopies | None = None,
+) -> None:
     if not length:
         return
     if isinstance(payload, torch.Tensor):
-        buffer[offset : offset + length].view(payload.dtype).view(payload.shape).copy_(
-            payload, non_blocking=payload.is_cuda
-        )
+        dest = buffer[offset : offset + length].view(payload.dtype).view(payload.shape)
+        (device_copies or DeviceCopies()).copy(dest, payload)
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only record: only read from
