@@ -1,4 +1,4 @@
-"""The node operations' REST routes (reboot, replace, add, software update, deep health check)
+"""The node operations' REST routes (reboot, replace, add, software update, deep health check, move)
 over raw HTTP, on SQLite and on PostgreSQL: the same answers as the AWS JSON entry, and the
 operations they start in the operation records."""
 
@@ -12,6 +12,7 @@ import pytest
 from hyperpod_sim.api.rest import ROUTES
 from hyperpod_sim.domain.health_checks import DEEP_HEALTH_CHECK_S
 from tests.conftest import EKS, ControlPlane, group, wait_for
+from tests.test_node_operations_move import arrive, two_clusters, where, workers
 from tests.test_rest import describe, http, node_ids, settle, wire
 
 __all__ = ["http"]  # the fixture, shared with tests/test_rest.py
@@ -22,6 +23,7 @@ NODE_OPERATIONS = {
     "BatchAddClusterNodes": ("POST", "/clusters/{name}/nodes/batch-add"),
     "UpdateClusterSoftware": ("POST", "/clusters/{name}/software-update"),
     "StartClusterHealthCheck": ("POST", "/clusters/{name}/health-checks"),
+    "MoveClusterNodes": ("POST", "/cluster-nodes/move"),
     "ListClusterOperations": ("GET", "/clusters/{name}/operations"),
     "DescribeClusterOperation": ("GET", "/clusters/{name}/operations/{operation_id}"),
 }
@@ -164,3 +166,22 @@ def test_the_documented_example_is_a_request_the_route_takes(http: httpx.Client,
     example = documented["requestBody"]["content"]["application/json"]["example"]
     response = http.request(method, path.format(name="nope"), json=example)
     assert response.status_code == 404, response.text
+
+
+def test_move_through_its_body_only_route(control_plane: ControlPlane, http: httpx.Client, sm: Any) -> None:
+    two_clusters(control_plane, sm)
+    moved = workers(sm, "src")[0]
+    missing = "i-0123456789abcdef0"
+    answer = http.post("/cluster-nodes/move", json={**where(sm), "NodeIds": [moved, missing]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["Successful"] == [moved]
+    assert [f["NodeId"] for f in answer.json()["Failed"]] == [missing]
+    assert statuses(http, "src")[moved] == "DetachInProgress"
+    arrive(control_plane, sm, moved)
+    assert moved in statuses(http, "dst")
+    assert "Move" in {o["Type"] for o in operations(http, "dst")}
+    # The AWS shape of an error, as on every route: a cluster that does not exist is a 404.
+    gone = {**where(sm), "TargetClusterArn": where(sm)["TargetClusterArn"][:-1] + "x", "NodeIds": [moved]}
+    refused = http.post("/cluster-nodes/move", json=gone)
+    assert refused.status_code == 404
+    assert refused.json()["__type"] == "ResourceNotFound"
