@@ -226,3 +226,21 @@ def test_the_last_update_status_stays_until_the_next_update(control_plane: Contr
     assert update_status() == {"a": "InProgress", "b": "InProgress"}
     batches_seen(control_plane, sm, "last")
     assert update_status() == {"a": "Succeeded", "b": "Succeeded"}
+
+
+def test_an_update_cluster_that_names_no_release_keeps_the_group_on_its_release(
+    control_plane: ControlPlane, sm: Any
+) -> None:
+    """UpdateCluster re-sends a group's specification to scale it; without ImageReleaseVersion in it
+    the group stays on the release its last software update put it on, and its new nodes get it."""
+    in_service(control_plane, sm, "kept", group(count=1, ImageReleaseVersion=INITIAL_RELEASE))
+    sm.update_cluster_software(ClusterName="kept")
+    batches_seen(control_plane, sm, "kept")
+    sm.update_cluster(ClusterName="kept", InstanceGroups=[group(count=2)])
+    control_plane.settle(sm, "kept")
+    (workers,) = sm.describe_cluster(ClusterName="kept")["InstanceGroups"]
+    assert workers["CurrentImageReleaseVersion"] == LATEST_RELEASE
+    assert workers["ImageVersionStatus"] == "UpToDate"
+    for node_id in statuses(sm, "kept"):
+        details = sm.describe_cluster_node(ClusterName="kept", NodeId=node_id)["NodeDetails"]
+        assert details["CurrentImageReleaseVersion"] == LATEST_RELEASE

@@ -281,7 +281,14 @@ class ClusterService:
                     )
                     position += 1
                 else:
-                    current.spec = spec
+                    # A specification without ImageReleaseVersion keeps the group on the release it
+                    # runs (its creation's, or what its last software update moved it to).
+                    kept = {
+                        key: current.spec[key]
+                        for key in ("ImageReleaseVersion",)
+                        if key in current.spec and key not in spec
+                    }
+                    current.spec = {**spec, **kept}
                     current.target_count = spec["InstanceCount"]
                     events.move(session, current, GroupStatus.UPDATING, ids=self.ids, now=now)
             for group_name in to_delete:
