@@ -104,7 +104,16 @@ class HyperPodClient:
             ),
         )
         auth: httpx.Auth = BearerAuth(bearer_token) if bearer_token else SigV4Auth(key, region)
-        self._http = httpx.Client(base_url=self.endpoint_url, timeout=timeout_s, trust_env=False, auth=auth)
+        # Idle connections are dropped after 2 s, before the server's own keep-alive timeout
+        # (uvicorn's 5 s, httpx's default expiry too): a request sent on a connection the server is
+        # closing at that moment fails with "Server disconnected without sending a response".
+        self._http = httpx.Client(
+            base_url=self.endpoint_url,
+            timeout=timeout_s,
+            trust_env=False,
+            auth=auth,
+            limits=httpx.Limits(keepalive_expiry=2.0),
+        )
 
     def close(self) -> None:
         self._http.close()
