@@ -360,6 +360,12 @@ def agent_settings(request: pytest.FixtureRequest) -> dict[str, Any]:
     return dict(getattr(request, "param", {}))
 
 
+# For tests about checkpoints, not failure detection: a node fails for its agent's silence only
+# after a minute, so a loaded machine (CI's two cores) never shows them a node replaced that no
+# fault hit. Tests of detection keep agent_plane's 3 s.
+PATIENT_HEARTBEATS = {"heartbeat_timeout_s": 60.0}
+
+
 @pytest.fixture
 def agent_plane(
     database_url: str, tmp_path: Path, agent_settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch

@@ -52,6 +52,10 @@ def proxy(moto_url: str) -> Iterator[FaultyS3Proxy]:
 
 @pytest.fixture
 def agent_settings(proxy: FaultyS3Proxy, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    return s3_through_proxy(proxy, monkeypatch)
+
+
+def s3_through_proxy(proxy: FaultyS3Proxy, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Agents (children of this process) sign with dummy credentials and reach S3 through the proxy."""
     for key, value in CREDENTIALS.items():
         monkeypatch.setenv(key, value)
