@@ -65,3 +65,31 @@ def test_a_replace_and_a_health_check_are_recorded_with_their_types(
     assert details["InstanceGroupName"] == "workers"
     assert sorted(details["InstanceIds"]) == sorted(statuses(sm, "rec2"))
     done(control_plane, sm, "rec2", check["OperationId"])
+
+
+def test_nodes_added_in_continuous_provisioning_are_a_scaling_operation(
+    control_plane: ControlPlane, sm: Any
+) -> None:
+    in_service(control_plane, sm, "rec3", group(count=1), NodeProvisioningMode="Continuous")
+    before = {
+        s["OperationId"] for s in sm.list_cluster_operations(ClusterName="rec3")["ClusterOperationSummaries"]
+    }
+    sm.batch_add_cluster_nodes(
+        ClusterName="rec3", NodesToAdd=[{"InstanceGroupName": "workers", "IncrementTargetCountBy": 2}]
+    )
+    added = newest(sm, "rec3")
+    assert added["OperationId"] not in before
+    assert added["Type"] == "Scaling"
+    (details,) = added["ScalingDetails"]
+    assert details["InstanceGroupName"] == "workers"
+    assert (details["Original"]["CurrentCount"], details["Original"]["TargetCount"]) == (1, 1)
+    assert details["Desired"]["TargetCount"] == 3
+    # The addition's event carries the operation's id (ListClusterEvents' OperationId).
+    events = sm.list_cluster_events(ClusterName="rec3", OperationId=added["OperationId"])["Events"]
+    assert [e["Description"] for e in events if "BatchAddClusterNodes" in e["Description"]] == [
+        "2 nodes added to group workers (BatchAddClusterNodes); its target count is 3."
+    ]
+    settle_nodes(control_plane, sm, "rec3", 3)
+    finished = done(control_plane, sm, "rec3", added["OperationId"])
+    assert finished["ScalingDetails"][0]["Status"] == "Done"
+    assert set(statuses(sm, "rec3").values()) == {"Running"}

@@ -11,7 +11,8 @@ from sqlalchemy import select
 from hyperpod_sim.domain.software_update import INITIAL_RELEASE, LATEST_RELEASE
 from hyperpod_sim.models import Node
 from tests.conftest import EKS, ControlPlane, group, wait_for
-from tests.test_node_operations import statuses
+from tests.test_node_operations import nodes, statuses
+from tests.test_node_operations_move import status, two_clusters, where
 from tests.test_semantics import error_of, in_service
 
 TIERED = {
@@ -244,3 +245,41 @@ def test_an_update_cluster_that_names_no_release_keeps_the_group_on_its_release(
     for node_id in statuses(sm, "kept"):
         details = sm.describe_cluster_node(ClusterName="kept", NodeId=node_id)["NodeDetails"]
         assert details["CurrentImageReleaseVersion"] == LATEST_RELEASE
+
+
+def test_a_node_moved_in_during_the_update_is_updated_once_it_runs(
+    control_plane: ControlPlane, sm: Any
+) -> None:
+    """A node still AttachInProgress (MoveClusterNodes) when its batch starts is not left on the old
+    release: once it runs it is updated in one more batch, and the update ends after it."""
+    two_clusters(control_plane, sm)
+    moved = sorted(n for n, s in nodes(sm, "src").items() if s["InstanceGroupName"] == "workers")[0]
+    sm.move_cluster_nodes(**where(sm), NodeIds=[moved])
+
+    def attaching() -> bool:
+        # In steps well under the launch delay (60 s), so that it is seen before it runs.
+        if moved in statuses(sm, "dst"):
+            return True
+        control_plane.advance(20)
+        return False
+
+    wait_for(attaching, timeout=30, what=f"{moved} in dst")
+    assert status(sm, "dst", moved) == "AttachInProgress"
+    sm.update_cluster_software(ClusterName="dst")
+    seen = batches_seen(control_plane, sm, "dst")
+    (first,) = (n for n in statuses(sm, "dst") if n != moved)
+    assert seen == [[first], [moved]]
+    for node_id in statuses(sm, "dst"):
+        details = sm.describe_cluster_node(ClusterName="dst", NodeId=node_id)["NodeDetails"]
+        assert (details["InstanceStatus"]["Status"], details["CurrentImageReleaseVersion"]) == (
+            "Running",
+            LATEST_RELEASE,
+        )
+    events = [
+        e["Description"] for e in sm.list_cluster_events(ClusterName="dst", ResourceType="Cluster")["Events"]
+    ]
+    assert events[0] == "Software update finished: 2 batches updated."
+    assert (
+        f"Software update: 1 nodes that were not Running when their batch started, or joined during the "
+        f"update, still run the old release ({moved}); they are updated in 1 more batches."
+    ) in events

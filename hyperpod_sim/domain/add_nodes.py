@@ -5,6 +5,8 @@ UpdateCluster for scaling operations").
 The nodes are made in the request's transaction (Pending, with their logical ids, the group's
 target count raised by as many); the reconciler starts their agents (``node_operations.LAUNCH``).
 The cluster stays InService: in continuous provisioning nodes come and go without a cluster update.
+A request that adds nodes records a ``Scaling`` operation over the groups it grew (their counts
+before and the targets after), Done once none of its nodes is Pending (domain/operations.py).
 Per group, what cannot be added is answered in ``Failed`` with the model's error codes.
 
 ``ClientToken`` (domain/client_tokens.py): a retry with the same token and NodesToAdd within 8
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyperpod_sim.domain import client_tokens, cluster_rules, events
+from hyperpod_sim.domain import client_tokens, cluster_rules, events, operations
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.cluster_reads import locked_cluster
 from hyperpod_sim.domain.errors import ValidationException
@@ -91,6 +93,10 @@ class AddNodesService:
             live = sum(1 for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN)
             cluster_rules.check_instance_limit(live + total, self.max_instances)
             groups = {g.name: g for g in cluster.instance_groups}
+            current = operations.live_counts(cluster)
+            original = {g.name: g.target_count for g in cluster.instance_groups}
+            grown: dict[str, InstanceGroup] = {}
+            added: list[str] = []
             for spec in nodes_to_add:
                 group = groups.get(spec["InstanceGroupName"])
                 refusal = self._refusal(cluster, group, spec)
@@ -101,6 +107,7 @@ class AddNodesService:
                 for _ in range(spec["IncrementTargetCountBy"]):
                     node = new_node(session, cluster, group, now, ids=self.ids, ready_delay_s=0)
                     node.pending_action = LAUNCH
+                    added.append(node.id)
                     result.successful.append(
                         {
                             "NodeLogicalId": node.logical_id,
@@ -110,6 +117,7 @@ class AddNodesService:
                             "InstanceTypes": [node.instance_type],
                         }
                     )
+                grown[group.name] = group
                 group.target_count += spec["IncrementTargetCountBy"]
                 group.spec = {**group.spec, "InstanceCount": group.target_count}
                 events.record(
@@ -123,6 +131,17 @@ class AddNodesService:
                 )
             if result.successful:
                 bump_generation(cluster)  # the replica ring grew
+                operations.record_scaling(
+                    session,
+                    ids=self.ids,
+                    now=now,
+                    cluster=cluster,
+                    requested_by=OPERATION,
+                    current=current,
+                    original=original,
+                    groups=list(grown.values()),
+                    node_ids=added,
+                )
             client_tokens.remember(
                 session,
                 cluster=cluster,

@@ -8,7 +8,8 @@ does so when a scaling request replaces one under way. While an operation is the
 current one, every event recorded for the cluster carries its id (ListClusterEvents' OperationId).
 
 Who records one: CreateCluster, UpdateCluster and DeleteCluster (``Scaling``, over the groups),
-BatchDeleteClusterNodes (``Scaling``, over the deleted nodes), BatchRebootClusterNodes,
+BatchDeleteClusterNodes (``Scaling``, over the deleted nodes), BatchAddClusterNodes (``Scaling``,
+over the groups it grew and the nodes it added), BatchRebootClusterNodes,
 BatchReplaceClusterNodes, UpdateClusterSoftware and StartClusterHealthCheck (over the nodes they
 act on), MoveClusterNodes (one in the source cluster, Done once its nodes have left, and one in the
 target cluster, Done once they are Running there). :func:`settle` ends each once its work is done.
@@ -222,7 +223,8 @@ def _end(operation: ClusterOperation, status: OperationStatus, now: datetime) ->
 
 def settle(session: Session, *, cluster: Cluster, now: datetime) -> None:
     """The reconciler's last step on a locked cluster: its current operation is Done once the
-    cluster is InService and none of the operation's nodes is still shutting down."""
+    cluster is InService and none of the operation's nodes is still shutting down (or, for the
+    nodes a Scaling operation added, still Pending)."""
     if cluster.operation_id is None or cluster.status != ClusterStatus.IN_SERVICE:
         return
     operation = session.get(ClusterOperation, cluster.operation_id)
@@ -231,7 +233,10 @@ def settle(session: Session, *, cluster: Cluster, now: datetime) -> None:
         return
     waiting = set(operation.node_ids)
     if operation.type == OperationType.SCALING:
-        busy = any(n.id in waiting and n.status == NodeStatus.SHUTTING_DOWN for n in cluster.nodes)
+        busy = any(
+            n.id in waiting and n.status in (NodeStatus.SHUTTING_DOWN, NodeStatus.PENDING)
+            for n in cluster.nodes
+        )
     else:
         # A node operation (reboot, replace, software update, deep health check) is over once none
         # of its nodes has work left and every node of the cluster is settled: a rebooted node

@@ -24,6 +24,12 @@ SageMaker HyperPod platform software of a cluster"), and what it means here:
   the "status of the last software update request". Without rollbacks, ``RollbackInProgress``,
   ``RollbackComplete`` and ``Failed`` never happen; a node that fails its update is replaced as
   any failed node is, and the update goes on.
+- Every node of the updated groups ends on the new release: a node that was not Running when
+  its batch started (still launching, or moved in by MoveClusterNodes and ``AttachInProgress``),
+  and one that joined the group during the update (a replacement), is updated in further batches
+  after the planned ones, planned by the same rules once it is Running; the update waits for those
+  still on their way (a node that fails instead is replaced as any failed node is). HyperPod does
+  not say what it does with them; a group left half on the old release is what it must not do.
 - What hyperpod-sim adds: a batch never holds a node and one of its replica peers (the nodes next
   to it in the replica ring, hyperpod_sim/domain/policy.py) when that can be avoided, so the copy
   of a node's checkpoints on its peer survives the node's update. HyperPod itself does not say how
@@ -64,9 +70,10 @@ INITIAL_RELEASE = "1.0.0"
 LATEST_RELEASE = "1.1.0"
 
 
-def image_release(node: Node) -> str:
-    """The image release version the node runs."""
-    return node.image_version or INITIAL_RELEASE
+def image_release(node: Node, group: InstanceGroup | None) -> str:
+    """The image release version the node runs: its own once updated or moved, else its group's."""
+    spec = group.spec if group is not None else {}
+    return node.image_version or spec.get("ImageReleaseVersion") or INITIAL_RELEASE
 
 
 def _mark(group: InstanceGroup, status: SoftwareUpdateStatus) -> None:
@@ -106,7 +113,8 @@ class SoftwareUpdateService:
                 )
             versions = _versions(cluster, instance_groups)
             nodes = [n for n in cluster.nodes if n.group_name in versions and n.status in LIVE]
-            batches = plan_batches(cluster, nodes, batch_size(deployment_config, len(nodes)))
+            size = batch_size(deployment_config, len(nodes))
+            batches = plan_batches(cluster, nodes, size)
             rolling = (deployment_config or {}).get("RollingUpdatePolicy") or {}
             alarms = [
                 a["AlarmName"] for a in (deployment_config or {}).get("AutoRollbackConfiguration") or []
@@ -118,6 +126,7 @@ class SoftwareUpdateService:
                 "WaitIntervalInSeconds": (deployment_config or {}).get("WaitIntervalInSeconds", 0),
                 "NextBatchAt": now.timestamp(),
                 "MaximumBatchSize": rolling.get("MaximumBatchSize"),
+                "BatchSize": size,  # for the batches of the nodes left behind (see roll)
                 "Alarms": alarms,
             }
             for group in cluster.instance_groups:
@@ -246,6 +255,12 @@ def roll(
             cluster.software_update = plan
             outcome.changed = True
     if index + 1 >= len(plan["Batches"]):
+        behind, coming = left_behind(cluster, plan)
+        if coming:
+            return outcome  # their update waits until they run (or fail)
+        if behind:
+            plan = _more_batches(session, cluster, now, plan, behind, ids=ids)
+    if index + 1 >= len(plan["Batches"]):
         cluster.software_update = None
         for group in cluster.instance_groups:  # what DescribeCluster shows as current from now on
             if group.name in plan["Versions"]:
@@ -268,6 +283,44 @@ def roll(
     _start_batch(session, cluster, now, plan, index + 1, nodes, ids=ids)
     outcome.changed = outcome.again = True
     return outcome
+
+
+def left_behind(cluster: Cluster, plan: dict[str, Any]) -> tuple[list[Node], list[Node]]:
+    """The nodes of the updated groups not on their new release: those Running (to update now),
+    and those on their way to Running (launching, moved in; to wait for). Nodes that failed or
+    are leaving are neither."""
+    groups = {g.name: g for g in cluster.instance_groups}
+    behind: list[Node] = []
+    coming: list[Node] = []
+    for node in cluster.nodes:
+        version = plan["Versions"].get(node.group_name)
+        if version is None or image_release(node, groups.get(node.group_name)) == version:
+            continue
+        if node.status == NodeStatus.RUNNING:
+            behind.append(node)
+        elif node.status in LIVE and node.status != NodeStatus.FAILURE:
+            coming.append(node)
+    return behind, coming
+
+
+def _more_batches(
+    session: Session, cluster: Cluster, now: datetime, plan: dict[str, Any], behind: list[Node], *, ids: Ids
+) -> dict[str, Any]:
+    """The planned batches are done; ``behind`` still runs the old release: more batches for it."""
+    more = plan_batches(cluster, behind, plan.get("BatchSize") or len(behind))
+    plan = {**plan, "Batches": [*plan["Batches"], *more]}
+    cluster.software_update = plan
+    listed = ", ".join(sorted(n.id for n in behind))
+    events.record(
+        session,
+        ids=ids,
+        now=now,
+        cluster=cluster,
+        description=f"Software update: {len(behind)} nodes that were not Running when their batch started, "
+        f"or joined during the update, still run the old release ({listed}); they are updated in "
+        f"{len(more)} more batches.",
+    )
+    return plan
 
 
 def _start_batch(
