@@ -360,18 +360,25 @@ def agent_settings(request: pytest.FixtureRequest) -> dict[str, Any]:
     return dict(getattr(request, "param", {}))
 
 
-# For tests about checkpoints, not failure detection: a node fails for its agent's silence only
-# after a minute, so a loaded machine (CI's two cores) never shows them a node replaced that no
-# fault hit. Tests of detection keep agent_plane's 3 s.
-PATIENT_HEARTBEATS = {"heartbeat_timeout_s": 60.0}
+# agent_plane's heartbeat timeout: short, so that the tests of failure detection see a node fail
+# within seconds; a minute for the modules marked ``patient_heartbeats`` (tests about checkpoints,
+# not detection), so that a slow moment of a loaded machine (CI's two cores) never shows them a
+# node replaced that no fault hit (a round trip of tests/test_sdk_checkpoint.py once saw one).
+HEARTBEAT_TIMEOUT_S = 3.0
+PATIENT_HEARTBEAT_TIMEOUT_S = 60.0
 
 
 @pytest.fixture
 def agent_plane(
-    database_url: str, tmp_path: Path, agent_settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    database_url: str,
+    tmp_path: Path,
+    agent_settings: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> Iterator[ControlPlane]:
     """A control plane whose nodes are real agent processes on loopback ports (local provisioner),
-    on the real clock, with short heartbeat intervals so failures show within seconds. Trainers
+    on the real clock, with short heartbeat intervals so failures show within seconds (a minute's
+    heartbeat timeout under the ``patient_heartbeats`` mark, HEARTBEAT_TIMEOUT_S). Trainers
     started by the test (in this process or as children) learn the shared-memory root the SDK may
     map from ``HPSIM_SIMULATION__SHM_ROOT``, as on a node."""
     port = free_port()
@@ -380,7 +387,11 @@ def agent_plane(
     provisioning = {
         "mode": "local",
         "heartbeat_interval_s": 0.2,
-        "heartbeat_timeout_s": 3.0,
+        "heartbeat_timeout_s": (
+            PATIENT_HEARTBEAT_TIMEOUT_S
+            if request.node.get_closest_marker("patient_heartbeats")
+            else HEARTBEAT_TIMEOUT_S
+        ),
         "launch_timeout_s": 60.0,
         **agent_settings.get("provisioning", {}),
     }

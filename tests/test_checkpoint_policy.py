@@ -9,6 +9,8 @@ import pytest
 
 from tests.conftest import EKS, ROLE, ControlPlane, group, wait_for
 
+pytestmark = pytest.mark.patient_heartbeats
+
 DEFAULTS = {
     "S3BaseUri": None,
     "PersistEverySteps": None,

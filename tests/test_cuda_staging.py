@@ -21,6 +21,8 @@ from hyperpod_sim.sdk.device_copy import CudaHostRegistrar, DeviceCopies
 from tests.conftest import ControlPlane
 from tests.test_memory_tier import cluster, create_namespace, get, url
 
+pytestmark = pytest.mark.patient_heartbeats
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a lent GPU)")
 
 

@@ -12,7 +12,10 @@ import pytest
 from tests.conftest import EKS, ROLE, ControlPlane, wait_for
 from tests.helpers import run_ranks
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+    pytest.mark.patient_heartbeats,
+]
 ROOT = Path(__file__).resolve().parent.parent
 
 

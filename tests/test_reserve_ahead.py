@@ -28,6 +28,8 @@ from tests.test_memory_tier import cluster, create_namespace, latest, metric, ur
 from tests.test_store import StepClock, read
 from tests.test_tier_parts import ManualClock
 
+pytestmark = pytest.mark.patient_heartbeats
+
 KiB = 1 << 10
 MiB = 1 << 20
 

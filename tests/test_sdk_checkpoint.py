@@ -12,24 +12,19 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import PATIENT_HEARTBEATS, ControlPlane, wait_for
+from tests.conftest import ControlPlane, wait_for
 from tests.helpers import run_ranks
-from tests.s3proxy import FaultyS3Proxy
 from tests.test_memory_tier import cluster, latest, put, replicated, url
-from tests.test_s3_tier import bucket, markers, moto_url, proxy, s3, s3_through_proxy, set_policy
+from tests.test_s3_tier import agent_settings, bucket, markers, moto_url, proxy, s3, set_policy
 
 # S3 for the fallback test: moto behind the test proxy (the fixtures of test_s3_tier).
-__all__ = ["bucket", "moto_url", "proxy", "s3"]
+__all__ = ["agent_settings", "bucket", "moto_url", "proxy", "s3"]
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+    pytest.mark.patient_heartbeats,
+]
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def agent_settings(proxy: FaultyS3Proxy, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """S3 through the proxy; nothing here is about failure detection, so a slow moment of four
-    rank processes on two cores never fails a node (a round trip once saw its node replaced)."""
-    return {**s3_through_proxy(proxy, monkeypatch), "provisioning": PATIENT_HEARTBEATS}
 
 
 @pytest.fixture

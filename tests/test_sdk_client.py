@@ -16,6 +16,8 @@ from hyperpod_sim.sdk.client import ClusterError, HyperPodClient, WaitTimeout
 from tests.conftest import EKS, ControlPlane, free_port, group
 from tests.test_memory_tier import cluster as tiered_cluster
 
+pytestmark = pytest.mark.patient_heartbeats
+
 TIERED = {"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20}
 
 

@@ -18,6 +18,8 @@ from tests.conftest import ControlPlane
 from tests.test_memory_tier import cluster, create_namespace, get, metric, url
 from tests.test_store import StepClock, read
 
+pytestmark = pytest.mark.patient_heartbeats
+
 KiB = 1 << 10
 MiB = 1 << 20
 

@@ -21,7 +21,10 @@ from hyperpod_sim.sdk.agent import AgentClient, AgentError
 from tests.conftest import ControlPlane, wait_for
 from tests.test_memory_tier import cluster, create_namespace, get, latest, meta, put, url
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+    pytest.mark.patient_heartbeats,
+]
 
 
 @pytest.fixture

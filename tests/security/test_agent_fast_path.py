@@ -18,7 +18,10 @@ import pytest
 from tests.conftest import ControlPlane
 from tests.test_memory_tier import cluster, create_namespace, get, metric, put, url
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+    pytest.mark.patient_heartbeats,
+]
 
 
 @pytest.fixture

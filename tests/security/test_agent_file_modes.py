@@ -18,7 +18,10 @@ import pytest
 from tests.conftest import ControlPlane, shm_root_for, wait_for
 from tests.test_memory_tier import cluster, create_namespace, get, put, replicated, url
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+    pytest.mark.patient_heartbeats,
+]
 
 
 @pytest.fixture

@@ -21,7 +21,10 @@ import pytest
 from tests.conftest import ControlPlane
 from tests.test_memory_tier import cluster, create_namespace, get, latest, meta, put, url
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+    pytest.mark.patient_heartbeats,
+]
 
 # Other spellings of 1 (or of 3, 7, 1000), and numbers no int64 holds.
 BAD_INTEGERS = ["+1", " 1", "1 ", "1_000", "٣", "007", "-1", "1e3", "0x1", "", "9223372036854775808"]

@@ -19,7 +19,10 @@ from tests.helpers import run_ranks
 from tests.security.test_agent_access import set_access
 from tests.test_memory_tier_library import agents, run_job
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+    pytest.mark.patient_heartbeats,
+]
 
 
 @pytest.fixture

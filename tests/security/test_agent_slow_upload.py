@@ -21,7 +21,10 @@ import pytest
 from tests.conftest import ControlPlane, wait_for
 from tests.test_memory_tier import cluster, create_namespace, get, meta, metric, put, url
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+    pytest.mark.patient_heartbeats,
+]
 
 
 @pytest.fixture

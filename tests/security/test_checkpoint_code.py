@@ -35,6 +35,7 @@ from tests.test_s3_tier import agent_settings, bucket, markers, moto_url, proxy,
 __all__ = ["agent_settings", "bucket", "moto_url", "proxy", "s3"]
 
 pytestmark = [
+    pytest.mark.patient_heartbeats,
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
 ]

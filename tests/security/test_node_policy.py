@@ -21,7 +21,10 @@ from tests.conftest import ControlPlane, wait_for
 from tests.test_agents_integration import agent_policy, event_texts, expected_budget, nodes, wait_status
 from tests.test_memory_tier import cluster, create_namespace, get, put, replicated, url
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+    pytest.mark.patient_heartbeats,
+]
 
 HUGE = 1_000_000_000
 
