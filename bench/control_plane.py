@@ -26,9 +26,10 @@ client is a separate process (multiprocessing, one per client) with one keep-ali
 are rebuilt per request (``json.dumps`` of the recorded body with a unique ClusterName, the same
 serialisation botocore uses). Each client reads the full response and counts non-200 answers as
 errors. All clients do a short warm-up, then start together at a barrier and run for a fixed
-duration; latency is ``time.perf_counter()`` around each request (the body is built before the
-clock starts); p50/p99 are nearest-rank on the sorted latencies. Server CPU is read from
-``/proc/<pid>/stat`` around each cell.
+duration (a client the machine held back past the deadline still measures one request, so a
+short cell on a loaded machine never ends with none); latency is ``time.perf_counter()`` around
+each request (the body is built before the clock starts); p50/p99 are nearest-rank on the sorted
+latencies. Server CPU is read from ``/proc/<pid>/stat`` around each cell.
 
 The request is the same for both servers; moto needs ``ThreadsPerCore`` and a ``SourceS3Uri``
 starting with ``s3://sagemaker-``, both of which are valid for the real API.
@@ -260,8 +261,8 @@ def _client_process(
         while True:
             payload = body()
             start = perf()
-            if start >= end:
-                break
+            if start >= end and (latencies or errors):
+                break  # (a client held back past the deadline still measures one request)
             try:
                 status, data = send(payload)
             except (OSError, http.client.HTTPException) as exc:
