@@ -14,6 +14,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from hyperpod_sim.domain.software_update import release_of
 from hyperpod_sim.models import Cluster, ClusterEvent, InstanceGroup, Node
 
 # hyperpod-sim runs no AMIs and knows no newer release than the one a group asked for: every
@@ -178,7 +179,7 @@ def node_state(
 ) -> dict[str, Any]:
     """Members of ClusterNodeSummary (``details``: ClusterNodeDetails) taken from the node's group
     and its software updates (``update``: the cluster's under way, if any)."""
-    current = (node.image_version if node is not None else None) or spec.get("ImageReleaseVersion")
+    current = release_of(node, spec) if node is not None else spec.get("ImageReleaseVersion")
     release = image_release(current, updating_to(update, node.group_name) if node is not None else None)
     if node is not None and node.last_software_update is not None:
         release["LastSoftwareUpdateTime"] = node.last_software_update

@@ -39,7 +39,7 @@ SageMaker HyperPod platform software of a cluster"), and what it means here:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -70,10 +70,16 @@ INITIAL_RELEASE = "1.0.0"
 LATEST_RELEASE = "1.1.0"
 
 
+def release_of(node: Node, spec: Mapping[str, Any]) -> str | None:
+    """The image release the node runs: its own once updated or moved, else its group's (``spec``);
+    None when neither names one (then it runs INITIAL_RELEASE, which DescribeClusterNode leaves out)."""
+    version: str | None = node.image_version or spec.get("ImageReleaseVersion")
+    return version
+
+
 def image_release(node: Node, group: InstanceGroup | None) -> str:
-    """The image release version the node runs: its own once updated or moved, else its group's."""
-    spec = group.spec if group is not None else {}
-    return node.image_version or spec.get("ImageReleaseVersion") or INITIAL_RELEASE
+    """The image release version the node runs."""
+    return release_of(node, group.spec if group is not None else {}) or INITIAL_RELEASE
 
 
 def _mark(group: InstanceGroup, status: SoftwareUpdateStatus) -> None:
