@@ -34,8 +34,12 @@ lint: $(DEV_STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# Workers: most tests wait on agent processes and servers, so 4 keep CI's 2 cores busy. worksteal
+# hands a long module's tests to idle workers. PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 4
+
 test: lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: $(DEV_STAMP)
 	$(BIN)/hyperpod-sim demo
