@@ -39,14 +39,18 @@ class UnsafeDirectory(Exception):
 
 def private_directory(path: Path) -> Path:
     """Make ``path`` (and its missing parents) a directory of this user's only, or refuse it
-    (:class:`UnsafeDirectory`); its real path. Made first and checked after, so that a directory
-    another user makes in the meantime under a sticky parent is refused, never used."""
+    (:class:`UnsafeDirectory`); its real path. What exists above is checked before anything is
+    made, and all of it again after, so that a directory another user makes in the meantime under
+    a sticky parent is refused, never used."""
     path = Path(os.path.abspath(path))
     missing: list[Path] = []
     probe = path
     while not os.path.lexists(probe):
         missing.append(probe)
         probe = probe.parent
+    if missing:
+        real_probe = _check_ancestors(probe)
+        _check_above(real_probe, os.lstat(real_probe), os.geteuid())
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):
             directory.mkdir(mode=DIR_MODE)
