@@ -35,6 +35,7 @@ def port_number(value: str) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from hyperpod_sim import serving
+    from hyperpod_sim.contracts.shm import UnsafeDirectory
     from hyperpod_sim.settings import Settings
 
     overrides: dict[str, object] = {}
@@ -58,6 +59,16 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        serving.prepare_shm_root(settings)
+    except UnsafeDirectory as exc:
+        print(
+            f"hyperpod-sim serve: refusing the shared-memory root: {exc}. Remove it (the checkpoints in "
+            "it cannot be trusted), or set HPSIM_SIMULATION__SHM_ROOT to a directory of this user's "
+            "only. See docs/security.md.",
+            file=sys.stderr,
+        )
+        return 1
     try:
         with (
             serving.StopSignals() as early,

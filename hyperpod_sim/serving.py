@@ -6,6 +6,10 @@ SQLite file), and a graceful stop that leaves no agent process behind.
   to start and names the first one's pid. The kernel drops the lock with the process, however it
   ends (SIGKILL included), so a stale lock file never blocks a start. Two control planes may still
   share one PostgreSQL database, each with its own data dir.
+- **The shared-memory root.** In local mode ``serve`` makes ``HPSIM_SIMULATION__SHM_ROOT``
+  (``/dev/shm/hpsim``) its user's only (0700) before anything starts, and refuses to start if it
+  exists as another user's or writable by others (contracts/shm.py): whoever makes it first
+  would own every node's checkpoints.
 - **The stop.** SIGINT (Ctrl+C, which the terminal sends to the whole process group) and SIGTERM
   (to the server's pid) both stop it gracefully: the reconciler stops, then every agent it runs is
   told to stop (SIGTERM) and waited for, while the API still answers (a draining agent may call
@@ -33,6 +37,7 @@ from typing import Any
 import uvicorn
 from sqlalchemy.engine import make_url
 
+from hyperpod_sim.contracts.shm import private_directory
 from hyperpod_sim.settings import Settings
 
 
@@ -64,6 +69,13 @@ def bind(host: str, port: int) -> Iterator[socket.socket]:
         yield listener
     finally:
         listener.close()
+
+
+def prepare_shm_root(settings: Settings) -> None:
+    """In local mode, make the shared-memory root this user's only; UnsafeDirectory if another
+    user could change it (contracts/shm.py)."""
+    if settings.provisioning.mode == "local":
+        private_directory(settings.simulation.shm_root)
 
 
 def lock_paths(settings: Settings) -> list[tuple[Path, str]]:

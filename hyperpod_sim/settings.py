@@ -71,7 +71,8 @@ class SimulationSettings(BaseModel):
     shm_root: Path = Field(
         default=Path("/dev/shm/hpsim"),
         description="local mode: where agents keep checkpoint shards in shared memory, one "
-        "directory per node (it outlives an agent crash; a deleted node's directory is removed).",
+        "directory per node (it outlives an agent crash; a deleted node's directory is removed). serve "
+        "makes it 0700, and refuses to start if it is another user's or writable by others.",
     )
     memory_scale: float = Field(
         default=1 / 1024,

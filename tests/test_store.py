@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Iterator
@@ -22,7 +24,9 @@ from hyperpod_sim.agents.store import (
     ShardKey,
     ShardStore,
 )
+from hyperpod_sim.agents.store.files import KEY_NAME
 from hyperpod_sim.contracts.shards import checksum_of
+from hyperpod_sim.contracts.shm import UnsafeDirectory
 
 MiB = 1 << 20
 
@@ -70,7 +74,10 @@ def read(store: ShardStore, key: ShardKey) -> bytes:
 
 
 def files_under(root: Path) -> list[str]:
-    return sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file())
+    """The store's files under ``root`` but its key (kept there when it has no key directory)."""
+    return sorted(
+        str(path.relative_to(root)) for path in root.rglob("*") if path.is_file() and path != root / KEY_NAME
+    )
 
 
 @pytest.fixture
@@ -80,7 +87,7 @@ def clock() -> StepClock:
 
 @pytest.fixture
 def store(tmp_path: Path, clock: StepClock) -> ShardStore:
-    return ShardStore(tmp_path / "node-a", budget_bytes=64 * MiB, clock=clock)
+    return ShardStore(tmp_path / "node-a", budget_bytes=64 * MiB, clock=clock, key_dir=tmp_path / "state")
 
 
 @pytest.fixture
@@ -615,3 +622,150 @@ def test_on_dev_shm_shards_survive_a_new_store(shm_root: Path) -> None:
     assert again.get(ShardKey("job", 0, 1)) == store.get(ShardKey("job", 0, 1))
     assert again.in_use_bytes == len(data)
     crashed.abort()
+
+
+# ---------------------------------------------------------------------------------------- a shared host
+# Issue 23, finding 3: another local user who could write the store's directory planted a shard
+# with a matching sidecar, and the next agent adopted and served it.
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+def forged_sidecar(data_path: Path, data: bytes) -> str:
+    """A sidecar as the store wrote one before it sealed them: all it took to be adopted."""
+    inode, size = data_path.stat().st_ino, len(data)
+    record = {
+        "size": size,
+        "checksum": checksum_of(data),
+        "replica_of": None,
+        "committed_at": 5e9,
+        "inode": inode,
+    }
+    return json.dumps({"version": 1, "current": record, "previous": None})
+
+
+def test_a_planted_shard_and_sidecar_are_not_adopted(tmp_path: Path, clock: StepClock) -> None:
+    root, state = tmp_path / "node-a", tmp_path / "state"
+    store = ShardStore(root, budget_bytes=MiB, clock=clock, key_dir=state)
+    own = put(store, ShardKey("job", 0, 1), b"the agent's own")
+    forged = b"someone else's bytes"
+    planted = root / "job" / "0" / "999.shard"
+    planted.write_bytes(forged)
+    planted.with_suffix(".meta").write_text(forged_sidecar(planted, forged))
+
+    again = ShardStore(root, budget_bytes=MiB, clock=clock, key_dir=state)
+
+    assert again.shards() == [own]
+    assert again.steps("job") == {1: {0}}
+    assert files_under(root) == ["job/0/1.meta", "job/0/1.shard"]
+
+
+def test_a_sealed_sidecar_does_not_vouch_for_another_step(tmp_path: Path, clock: StepClock) -> None:
+    """A sealed shard and sidecar renamed to a newer step (same inode, same size) are not that step."""
+    root = tmp_path / "node-a"
+    store = ShardStore(root, budget_bytes=MiB, clock=clock)
+    info = put(store, ShardKey("job", 0, 1), b"step one")
+    info.path.rename(info.path.with_name("999.shard"))
+    info.path.with_suffix(".meta").rename(info.path.with_name("999.meta"))
+
+    again = ShardStore(root, budget_bytes=MiB, clock=clock)
+
+    assert again.shards() == []
+    assert files_under(root) == []
+
+
+def test_another_key_does_not_adopt_the_shards(tmp_path: Path, clock: StepClock) -> None:
+    """Shards sealed with another store's key (another data dir) are not this store's."""
+    root = tmp_path / "node-a"
+    put(
+        ShardStore(root, budget_bytes=MiB, clock=clock, key_dir=tmp_path / "one"), ShardKey("job", 0, 1), b"x"
+    )
+    again = ShardStore(root, budget_bytes=MiB, clock=clock, key_dir=tmp_path / "two")
+    assert again.shards() == []
+
+
+def test_restart_checks_the_bytes_not_only_the_sidecar(tmp_path: Path, clock: StepClock) -> None:
+    """Bytes changed in place (same inode, same size) while the agent was down: not adopted."""
+    root = tmp_path / "node-a"
+    store = ShardStore(root, budget_bytes=MiB, clock=clock)
+    kept = put(store, ShardKey("job", 0, 1), b"unchanged")
+    changed = put(store, ShardKey("job", 0, 2), b"original")
+    with open(changed.path, "r+b") as handle:
+        handle.write(b"ORIGINAL")
+
+    again = ShardStore(root, budget_bytes=MiB, clock=clock)
+
+    assert again.shards() == [kept]
+    assert files_under(root) == ["job/0/1.meta", "job/0/1.shard"]
+
+
+@needs_root
+@pytest.mark.parametrize("where", ["root", "namespace", "rank"])
+def test_a_directory_of_another_user_is_refused(tmp_path: Path, where: str) -> None:
+    root = tmp_path / "node-a"
+    store = ShardStore(root, budget_bytes=MiB)
+    put(store, ShardKey("job", 0, 1), b"x")
+    target = {"root": root, "namespace": root / "job", "rank": root / "job" / "0"}[where]
+    os.chown(target, NOBODY, NOBODY)
+
+    with pytest.raises(UnsafeDirectory) as caught:
+        ShardStore(root, budget_bytes=MiB)
+
+    assert caught.value.path == target
+    assert str(caught.value) == (
+        f"{target} belongs to uid {NOBODY}, not to this process's user (uid 0): another local user made "
+        "it and could rename or replace what is in it"
+    )
+
+
+@pytest.mark.parametrize("where", ["root", "namespace", "rank"])
+def test_a_directory_others_may_write_is_refused(tmp_path: Path, where: str) -> None:
+    root = tmp_path / "node-a"
+    store = ShardStore(root, budget_bytes=MiB)
+    put(store, ShardKey("job", 0, 1), b"x")
+    target = {"root": root, "namespace": root / "job", "rank": root / "job" / "0"}[where]
+    os.chmod(target, 0o777)
+
+    with pytest.raises(UnsafeDirectory, match=r"has mode 0777: other users may write into it") as caught:
+        ShardStore(root, budget_bytes=MiB)
+    assert caught.value.path == target
+
+
+def test_a_parent_others_may_rename_in_is_refused(tmp_path: Path) -> None:
+    """The squatted /dev/shm/hpsim: a node's directory under a directory every user may write
+    (without the sticky bit of /dev/shm itself) could be renamed away by any of them."""
+    shared = tmp_path / "hpsim"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(
+        UnsafeDirectory, match=r"has mode 0777: other users may rename what is in it"
+    ) as caught:
+        ShardStore(shared / "node-a", budget_bytes=MiB)
+    assert caught.value.path == shared
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)  # as /dev/shm: others may not rename what they do not own
+    assert ShardStore(sticky / "node-a", budget_bytes=MiB).shards() == []
+
+
+def test_the_root_and_the_key_dir_are_made_owner_only(tmp_path: Path) -> None:
+    ShardStore(tmp_path / "a" / "node-a", budget_bytes=MiB, key_dir=tmp_path / "state")
+    for path in (tmp_path / "a", tmp_path / "a" / "node-a", tmp_path / "state"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+    assert stat.S_IMODE((tmp_path / "state" / KEY_NAME).stat().st_mode) == 0o600
+
+
+def test_after_its_root_is_replaced_the_store_writes_nothing_into_the_new_one(tmp_path: Path) -> None:
+    root = tmp_path / "node-a"
+    store = ShardStore(root, budget_bytes=MiB)
+    put(store, ShardKey("job", 0, 1), b"x")
+    root.rename(tmp_path / "moved")
+    root.mkdir(mode=0o700)
+
+    with pytest.raises(OSError, match="is not the one this agent started with"):
+        store.reserve(ShardKey("job", 0, 2), 10)
+
+    assert list(root.iterdir()) == []
+    with pytest.raises(CorruptShard):  # its file is not where it was
+        store.read_verified(ShardKey("job", 0, 1))

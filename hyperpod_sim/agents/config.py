@@ -41,10 +41,17 @@ class AgentSettings(BaseSettings):
         description="Host the control plane and peers reach this agent at. Default: --host "
         "(loopback when --host is a wildcard address).",
     )
-    data_dir: Path | None = Field(default=None, description="Directory for this node's local state.")
+    data_dir: Path | None = Field(
+        default=None,
+        description="Directory for this node's local state, this user's only (made 0700): it keeps the "
+        "key that seals the in-memory tier's sidecars (store.key). Without it the key is kept in the "
+        "shared-memory directory.",
+    )
     shm_dir: Path | None = Field(
         default=None,
-        description="Shared-memory directory of the in-memory tier; default /dev/shm/hpsim/<node id>.",
+        description="Shared-memory directory of the in-memory tier; default /dev/shm/hpsim/<node id>. "
+        "The agent refuses to start if it, or a directory below it, is another user's or writable by "
+        "others, or if a directory above it lets others rename what is in it (docs/security.md).",
     )
     replication: Literal["async", "sync"] = Field(
         default="async",

@@ -28,6 +28,7 @@ from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.agents.store import ShardStore
 from hyperpod_sim.agents.tier import MemoryTier
 from hyperpod_sim.contracts.partition import Partition
+from hyperpod_sim.contracts.shm import UnsafeDirectory
 
 log = logging.getLogger("agents")
 
@@ -46,6 +47,13 @@ def run(settings: AgentSettings) -> int:
         return 1
     try:
         return asyncio.run(serve(settings=settings, sock=sock))
+    except UnsafeDirectory as exc:
+        log.error(
+            "refusing to start: %s. Remove it (its checkpoints cannot be trusted), or choose a "
+            "directory of this user's only with --shm-dir / --data-dir (docs/security.md)",
+            exc,
+        )
+        return 1
     except Exception:
         log.exception("the agent failed")
         return 1
@@ -82,6 +90,9 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
     state = AgentState(cluster=settings.cluster, node_id=settings.node_id)
     port: int = sock.getsockname()[1]
     shm_dir = settings.shm_dir or Path("/dev/shm/hpsim") / (settings.node_id or f"{settings.cluster}-{port}")
+    # Refuses a shared-memory directory another user could change (UnsafeDirectory); the key that
+    # seals its sidecars stays in the agent's private data dir.
+    store = ShardStore(shm_dir, key_dir=settings.data_dir)
     partition = Partition(settings.data_dir)
     client = ControlPlaneClient(
         base_url=settings.control_plane,
@@ -91,7 +102,7 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
     )
     tier = MemoryTier(
         state=state,
-        store=ShardStore(shm_dir),
+        store=store,
         control_plane=client,
         replication=settings.replication,
         s3_endpoint_override=settings.s3_endpoint_url,

@@ -15,6 +15,10 @@ Layout on disk::
 ``/``, spaces or dots is one directory name and never ``.`` or ``..``; its encoded form must fit in
 255 bytes. ``<rank>`` and ``<step>`` are decimal. A record ``R`` is ``{"size", "checksum",
 "replica_of", "committed_at", "inode"}``: ``inode`` is the inode number of the data file it describes.
+The sidecar's ``"seal"`` is an HMAC-SHA256 of its other members and of the shard's place
+(``<ns>/<rank>/<step>``), keyed by ``store.key`` (32 random bytes, 0600) in the store's key
+directory (the agent's data dir; ``root`` itself when it has none): only the store that holds the
+key can write a sidecar that it adopts.
 
 Commit protocol (``Reservation.commit``), all under the store's lock:
 
@@ -24,16 +28,22 @@ Commit protocol (``Reservation.commit``), all under the store's lock:
    data file (its inode), ``previous`` the shard it replaces, if any.
 3. Rename the data temp file to ``<step>.shard``.
 
-At startup a shard counts only if its data file is a regular file whose inode and size match the
-sidecar's ``current`` record, or its ``previous`` one (a crash between steps 2 and 3 of a replacement:
-the old shard is kept and the sidecar rewritten). Anything else (a sidecar without data, data
-without a sidecar, a torn or unreadable sidecar) is removed, as are all ``.tmp`` files. So a crash at
+At startup a shard counts only if its sidecar's seal is valid and its data file is a regular file
+of this user's, with one name, whose inode and size match the sidecar's ``current`` record, or its
+``previous`` one (a crash between steps 2 and 3 of a replacement: the old shard is kept and the
+sidecar rewritten), and whose bytes hash to that record's checksum. Anything else (a sidecar
+without data, data without a sidecar, a torn, unreadable or unsealed sidecar, a file of another
+user's) is removed, as are all ``.tmp`` files. So a crash at
 any point leaves the old shard or the new one, never a half shard. Files are not fsync'ed: the
 store guards against the agent crashing, not the machine (tmpfs does not survive a reboot anyway).
 One store per root: two live stores on the same root would remove each other's writes at startup.
 
 Files are the agent's user's only: directories 0700, data files and sidecars 0600 (a trainer that
-uses the same-host fast path runs as that user; any other reads over HTTP).
+uses the same-host fast path runs as that user; any other reads over HTTP). ``root`` and every
+directory below it must be this user's and writable by no one else, and the directories above it
+root's or this user's, writable by no one else unless sticky (contracts/shm.py); otherwise the store
+refuses to start (UnsafeDirectory, naming the directory). A root renamed away and replaced while the
+store runs is not written into.
 
 A file handed to a trainer (the same-host fast path) is checked before the agent reads it at
 commit: a regular file (not a link, FIFO or device), the very inode reserved, with one name, in

@@ -14,6 +14,7 @@ from hyperpod_sim.agents.store.files import (
     DATA_SUFFIX,
     META_SUFFIX,
     Record,
+    Seal,
     make_private_dirs,
     prune_empty_dirs,
 )
@@ -67,6 +68,8 @@ class StoreState:
 
     _root: Path
     _real_root: Path  # the root as it resolved at start: what every shard directory must be under
+    _root_id: tuple[int, int]  # (device, inode) of the root at start: a root renamed away is not it
+    _seal: Seal  # seals the sidecars this store writes; only sealed ones are adopted at startup
     _budget: int
     _clock: Callable[[], float]
     _lock: threading.Lock
@@ -109,6 +112,7 @@ class StoreState:
     def _ready_shard_dir(self, key: ShardKey) -> Path:
         """The shard's directory, made if missing. A link put in place of the namespace's or the
         rank's directory is removed first: the store writes under its root only."""
+        self._check_root()
         directory = self._shard_dir(key)
         make_private_dirs(directory)
         if Path(os.path.realpath(directory)) != self._real_shard_dir(key):
@@ -119,6 +123,16 @@ class StoreState:
             if Path(os.path.realpath(directory)) != self._real_shard_dir(key):
                 raise OSError(f"{directory} does not resolve to a directory under the store's root")
         return directory
+
+    def _check_root(self) -> None:
+        """OSError unless the root is still the directory the store started with: one renamed
+        away and replaced (by whoever could) is not written into."""
+        info = os.lstat(self._real_root)
+        if (info.st_dev, info.st_ino) != self._root_id:
+            raise OSError(
+                f"the shared-memory directory {self._root} is not the one this agent started with "
+                "(it was renamed or replaced): nothing is written into it; restart the agent"
+            )
 
     def _real_shard_dir(self, key: ShardKey) -> Path:
         """Where ``_shard_dir(key)`` must resolve to: under the root as it resolved at start."""

@@ -1,15 +1,18 @@
-"""The shard store's files on disk: their names, the sidecar records, and the file operations
-(private directories, hashing with preadv, preallocating and faulting in memory). See
-:mod:`agents.store` for the layout and the commit protocol."""
+"""The shard store's files on disk: their names, the sidecar records and their seal, the store's
+key, and the file operations (private directories, hashing with preadv, preallocating and faulting
+in memory). See :mod:`agents.store` for the layout and the commit protocol."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
 import errno
+import hashlib
+import hmac
 import json
 import mmap
 import os
+import secrets
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +22,8 @@ from typing import Any
 import xxhash
 
 from hyperpod_sim.agents.store.keys import normalized_checksum
+from hyperpod_sim.contracts.shards import checksum_of
+from hyperpod_sim.contracts.shm import UnsafeDirectory
 
 DATA_SUFFIX = ".shard"
 META_SUFFIX = ".meta"
@@ -28,6 +33,8 @@ META_VERSION = 1
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 _READ_CHUNK = 1 << 20  # commit_written hashes a trainer's file in pieces of this size
+KEY_NAME = "store.key"  # the store's sealing key, in its key directory
+KEY_BYTES = 32
 
 
 def decimal(text: str) -> int | None:
@@ -120,11 +127,34 @@ class Record:
         return cls(size, normalized_checksum(checksum), replica_of, float(committed_at), inode)
 
 
-def read_sidecar(path: Path) -> tuple[Record, Record | None] | None:
-    """(current, previous) from a sidecar; None if it is missing or not one this store wrote."""
+class Seal:
+    """The store's seal on its sidecars: an HMAC-SHA256, keyed by a secret only the agent holds,
+    of the sidecar's document and the shard it is for (namespace, rank and step, as its path
+    names them). A sidecar this store did not write (planted, or moved from another shard's
+    place) carries no valid seal, and its shard is not adopted at startup."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def of(self, path: Path, doc: dict[str, Any]) -> str:
+        """The seal of sidecar ``doc`` at ``path`` (``<ns>/<rank>/<step>.meta``): over every member
+        but ``seal`` itself, so that a member added later is sealed too."""
+        shard = f"{path.parent.parent.name}/{path.parent.name}/{path.stem}"
+        body = {name: value for name, value in doc.items() if name != "seal"}
+        message = json.dumps({"shard": shard, "sidecar": body}, sort_keys=True, separators=(",", ":"))
+        return hmac.new(self._key, message.encode(), hashlib.sha256).hexdigest()
+
+    def valid(self, path: Path, doc: dict[str, Any]) -> bool:
+        seal = doc.get("seal")
+        return isinstance(seal, str) and hmac.compare_digest(seal, self.of(path, doc))
+
+
+def read_sidecar(path: Path, seal: Seal) -> tuple[Record, Record | None] | None:
+    """(current, previous) from a sidecar; None if it is missing, not one this store wrote, or
+    not sealed by ``seal``."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(doc, dict) or doc.get("version") != META_VERSION:
+        if not isinstance(doc, dict) or doc.get("version") != META_VERSION or not seal.valid(path, doc):
             return None
         previous = doc.get("previous")
         return Record.from_json(doc.get("current")), None if previous is None else Record.from_json(previous)
@@ -132,13 +162,14 @@ def read_sidecar(path: Path) -> tuple[Record, Record | None] | None:
         return None
 
 
-def write_sidecar(path: Path, *, current: Record, previous: Record | None) -> None:
-    """Replace the sidecar at ``path`` atomically (temp file, then rename)."""
-    doc = {
+def write_sidecar(path: Path, *, current: Record, previous: Record | None, seal: Seal) -> None:
+    """Replace the sidecar at ``path`` atomically (temp file, then rename), sealed."""
+    doc: dict[str, Any] = {
         "version": META_VERSION,
         "current": current.to_json(),
         "previous": None if previous is None else previous.to_json(),
     }
+    doc["seal"] = seal.of(path, doc)
     temp = path.with_name(temp_name(int(path.stem), META_SUFFIX))
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
@@ -148,6 +179,44 @@ def write_sidecar(path: Path, *, current: Record, previous: Record | None) -> No
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+def load_key(directory: Path) -> bytes:
+    """The store's sealing key from ``directory/store.key`` (a private directory), made there on
+    first use (random, 0600). UnsafeDirectory if the file is not this user's only; a key file of
+    the wrong length (a crash while it was made) is replaced by a new key, so the shards sealed
+    with the old one are not adopted."""
+    path = directory / KEY_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return _make_key(path)
+    except OSError as exc:  # ELOOP: a link in its place
+        raise UnsafeDirectory(path, f"cannot be opened as the store's key ({exc.strerror})") from exc
+    with open(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            raise UnsafeDirectory(
+                path,
+                f"is not a file of this user's only (uid {info.st_uid}, mode {info.st_mode & 0o7777:04o}): "
+                "it cannot be the store's key",
+            )
+        key = handle.read(KEY_BYTES + 1)
+    return key if len(key) == KEY_BYTES else _make_key(path)
+
+
+def _make_key(path: Path) -> bytes:
+    key = secrets.token_bytes(KEY_BYTES)
+    temp = path.with_name(f".{KEY_NAME}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+        with open(fd, "wb") as handle:
+            handle.write(key)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return key
 
 
 def spare_name(buffer_id: str) -> str:
@@ -195,12 +264,13 @@ def subdirs(directory: Path) -> list[Path]:
     return sorted(path for path in directory.iterdir() if path.is_dir() and not path.is_symlink())
 
 
-def matching_record(data_path: Path, meta_path: Path) -> Record | None:
-    """The sidecar record that describes the data file as it is, or None (an uncommitted leftover).
+def matching_record(data_path: Path, meta_path: Path, seal: Seal) -> Record | None:
+    """The sealed sidecar record that describes the data file as it is, or None (an uncommitted
+    leftover, or files this store did not write).
 
     A match on ``previous`` (a replacement that crashed before its data rename) rewrites the sidecar.
     """
-    sidecar = read_sidecar(meta_path)
+    sidecar = read_sidecar(meta_path, seal)
     try:
         stat = data_path.lstat()
     except FileNotFoundError:
@@ -211,6 +281,38 @@ def matching_record(data_path: Path, meta_path: Path) -> Record | None:
     for record in (current, previous):
         if record is not None and record.inode == stat.st_ino and record.size == stat.st_size:
             if record is previous:
-                write_sidecar(meta_path, current=record, previous=None)
+                write_sidecar(meta_path, current=record, previous=None, seal=seal)
             return record
     return None
+
+
+def holds_record(data_path: Path, record: Record) -> str | None:
+    """Why the data file does not hold what ``record`` says (None if it does): a regular file of
+    this user's with one name, the record's inode and size, whose bytes hash to its checksum. The
+    sidecar is not trusted over the shard's own bytes."""
+    try:
+        fd = os.open(data_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        return f"it cannot be opened ({exc.strerror})"
+    try:
+        info = os.fstat(fd)
+        if not S_ISREG(info.st_mode) or info.st_ino != record.inode:
+            return "it is not the file its record names"
+        if info.st_uid != os.geteuid():
+            return f"it belongs to uid {info.st_uid}, not to this agent's user"
+        if info.st_nlink != 1:
+            return f"it has {info.st_nlink} names (hard links)"
+        if info.st_size != record.size:
+            return f"it holds {info.st_size} bytes, not {record.size}"
+        # Mapped, as a read verifies a committed shard (a copy through preadv took twice as long).
+        mapping = mmap.mmap(fd, record.size, access=mmap.ACCESS_READ) if record.size else None
+        try:
+            actual = checksum_of(mapping if mapping is not None else b"")
+        finally:
+            if mapping is not None:
+                mapping.close()
+        if actual != record.checksum:
+            return f"its bytes hash to {actual}, not {record.checksum}"
+        return None
+    finally:
+        os.close(fd)

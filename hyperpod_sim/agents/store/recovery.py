@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -15,6 +16,7 @@ from hyperpod_sim.agents.store.files import (
     FILE_MODE,
     META_SUFFIX,
     decimal,
+    holds_record,
     is_temp_name,
     matching_record,
     prune_empty_dirs,
@@ -22,26 +24,35 @@ from hyperpod_sim.agents.store.files import (
     subdirs,
 )
 from hyperpod_sim.agents.store.keys import ShardInfo, ShardKey, decode_namespace
+from hyperpod_sim.contracts.shm import check_owned
+
+log = logging.getLogger("agents.store")
 
 
 class StoreRecovery(StoreState):
     """Rebuilds the index (and the spares) from the files under the root."""
 
     def _recover(self) -> None:
-        """Rebuild the index from the files under root; remove what uncommitted writes left behind."""
+        """Rebuild the index from the files under root; remove what uncommitted writes left behind.
+        UnsafeDirectory (the agent refuses to start) for a namespace's or rank's directory of
+        another user's, or one that others may write."""
         for ns_dir in subdirs(self._root):
             namespace = decode_namespace(ns_dir.name)
             if namespace is None:
                 continue
-            with contextlib.suppress(OSError):
-                os.chmod(ns_dir, DIR_MODE)  # an older agent's 0755
+            self._check_dir(ns_dir)
             for rank_dir in subdirs(ns_dir):
                 rank = decimal(rank_dir.name)
                 if rank is not None:
-                    with contextlib.suppress(OSError):
-                        os.chmod(rank_dir, DIR_MODE)
+                    self._check_dir(rank_dir)
                     self._recover_rank_dir(namespace, rank, rank_dir)
                     prune_empty_dirs(rank_dir, stop=self._root)
+
+    @staticmethod
+    def _check_dir(directory: Path) -> None:
+        check_owned(directory, directory.lstat())
+        with contextlib.suppress(OSError):
+            os.chmod(directory, DIR_MODE)  # an older agent's 0755
 
     def _recover_rank_dir(self, namespace: str, rank: int, directory: Path) -> None:
         steps: set[int] = set()
@@ -67,7 +78,7 @@ class StoreRecovery(StoreState):
             stat = path.lstat()
         except FileNotFoundError:
             return
-        if not S_ISREG(stat.st_mode) or stat.st_nlink != 1:
+        if not S_ISREG(stat.st_mode) or stat.st_nlink != 1 or stat.st_uid != os.geteuid():
             path.unlink(missing_ok=True)
             return
         with contextlib.suppress(OSError):
@@ -82,8 +93,15 @@ class StoreRecovery(StoreState):
     def _recover_shard(self, key: ShardKey) -> None:
         data_path = self._data_path(key)
         meta_path = data_path.with_suffix(META_SUFFIX)
-        record = matching_record(data_path, meta_path)
+        record = matching_record(data_path, meta_path, self._seal)
+        problem: str | None
         if record is None:
+            problem = "no sidecar that this store sealed describes it"
+        else:
+            problem = holds_record(data_path, record)
+        if record is None or problem is not None:
+            if data_path.exists():  # (a sidecar alone is what a crashed first write leaves)
+                log.warning("not adopting %s: %s; removed", data_path, problem)
             data_path.unlink(missing_ok=True)
             meta_path.unlink(missing_ok=True)
             return

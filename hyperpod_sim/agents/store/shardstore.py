@@ -19,11 +19,11 @@ from stat import S_ISREG
 from hyperpod_sim.agents.store.base import Entry, SpareInfo
 from hyperpod_sim.agents.store.files import (
     DATA_SUFFIX,
-    DIR_MODE,
     FILE_MODE,
     META_SUFFIX,
     Record,
-    make_private_dirs,
+    Seal,
+    load_key,
     prune_empty_dirs,
     temp_name,
     write_sidecar,
@@ -44,15 +44,27 @@ from hyperpod_sim.agents.store.recovery import StoreRecovery
 from hyperpod_sim.agents.store.reservation import Reservation, ReservationState
 from hyperpod_sim.agents.store.spares import SpareRotation
 from hyperpod_sim.contracts.shards import checksum_of
+from hyperpod_sim.contracts.shm import private_directory
 
 
 class ShardStore(SpareRotation, StoreRecovery):
     """Shards in files under ``root``, indexed in memory, within a memory budget (0: tiering off)."""
 
-    def __init__(self, root: Path, *, budget_bytes: int = 0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        budget_bytes: int = 0,
+        clock: Callable[[], float] = time.time,
+        key_dir: Path | None = None,
+    ) -> None:
         """Create ``root`` if needed and rebuild the index from it (see :mod:`agents.store`).
 
-        Shards found are kept even beyond ``budget_bytes``; the next ``set_budget`` evicts down.
+        ``root`` must be this user's only (contracts/shm.py: UnsafeDirectory otherwise, naming
+        the path and the problem). ``key_dir``: the private directory that keeps the key sealing
+        the sidecars (the agent's data dir), else ``root`` itself. Only shards whose sidecar that
+        key sealed, and whose bytes match it, are adopted. Shards found are kept even beyond
+        ``budget_bytes``; the next ``set_budget`` evicts down.
         """
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must not be negative (got {budget_bytes})")
@@ -72,10 +84,10 @@ class ShardStore(SpareRotation, StoreRecovery):
         self._ahead_ranks = set()
         self._pins = {}
         self._counters = StoreCounters()
-        make_private_dirs(self._root)
-        if self._root.stat().st_uid == os.getuid():
-            os.chmod(self._root, DIR_MODE)  # a root made by an older agent, or by hand
-        self._real_root = Path(os.path.realpath(self._root))
+        self._real_root = private_directory(self._root)
+        info = os.lstat(self._real_root)
+        self._root_id = (info.st_dev, info.st_ino)
+        self._seal = Seal(load_key(self._real_root if key_dir is None else private_directory(key_dir)))
         self._recover()
 
     # -- properties
@@ -285,6 +297,7 @@ class ShardStore(SpareRotation, StoreRecovery):
                 data_path.with_suffix(META_SUFFIX),
                 current=record,
                 previous=None if old is None else old.record,
+                seal=self._seal,
             )
             os.replace(reservation._temp_path, data_path)
             self._end_reservation_locked(reservation, state="committed")
