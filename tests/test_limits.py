@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 
+from hyperpod_sim.contracts import limits
+from hyperpod_sim.settings import LimitSettings
 from tests.conftest import ControlPlane, group, status_of
 from tests.test_semantics import error_of, in_service
 
@@ -35,3 +37,13 @@ def test_cluster_limit(sm: Any) -> None:
         "ResourceLimitExceeded",
         "The account already has 3 clusters, the limit is 3.",
     )
+
+
+def test_the_namespace_limits_default_to_the_contracts() -> None:
+    """settings cannot import contracts (one layer): the defaults are written twice, held equal."""
+    fields = LimitSettings.model_fields
+    assert fields["max_namespaces_per_cluster"].default == limits.DEFAULT_MAX_NAMESPACES_PER_CLUSTER
+    assert fields["max_namespace_ranks"].default == limits.DEFAULT_MAX_NAMESPACE_RANKS
+    assert LimitSettings(max_namespace_ranks=limits.MAX_RANKS).max_namespace_ranks == limits.MAX_RANKS
+    with pytest.raises(ValueError, match="less than or equal to 1000000"):
+        LimitSettings(max_namespace_ranks=limits.MAX_RANKS + 1)
