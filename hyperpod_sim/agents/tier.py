@@ -293,9 +293,14 @@ class MemoryTier:
         # The rank's next saves get files already allocated and faulted in: its rotation
         # (retention + 1 files) is made now, before the save is answered (the trainer waits on
         # it off its training thread), within the budget.
-        await asyncio.to_thread(
-            self.store.prepare_spares, key.namespace, key.rank, files=namespace.steps_retained + 1
-        )
+        try:
+            await asyncio.to_thread(
+                self.store.prepare_spares, key.namespace, key.rank, files=namespace.steps_retained + 1
+            )
+        except OSError as exc:  # the shard is stored: with a full tmpfs the rank only lacks spares
+            if exc.errno not in _NO_ROOM:
+                raise
+            log.info("no spares for %s: the shared memory is full (%s)", key, exc.strerror)
         self.s3.on_saved(namespace, key)
         await self.replicas.after_save(info)
 

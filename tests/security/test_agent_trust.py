@@ -4,7 +4,8 @@ against real agent processes:
 - (a) in Token mode the fast path's alias under ``/v1/cp/fast/...`` answered a shard's path,
   checksum and a lease without the token, and leases (and open writes) had no bound;
 - (b) namespace creations had no cap per cluster, and a namespace of a million ranks was accepted;
-- (d) a namespace name with a NUL was saved, and its S3 persist could never succeed;
+- (d) a namespace name with a NUL was saved, and its S3 persist could never succeed
+  (tests/security/test_agent_names.py, with an S3 tier);
 - (f) a full shared-memory tmpfs made saves answer 500 instead of the documented 507.
 """
 
@@ -16,14 +17,13 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 import pytest
 
 from tests.conftest import ControlPlane, shm_root_for
 from tests.security.test_agent_access import set_access
-from tests.test_memory_tier import cluster, create_namespace, get, latest, meta, metric, put, url
+from tests.test_memory_tier import cluster, create_namespace, get, latest, metric, put, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
@@ -154,40 +154,6 @@ def test_num_ranks_out_of_range_is_a_validation_error(agent_plane: ControlPlane,
         assert refused.json()["message"].endswith(f"Member must have value {constraint}")
     assert httpx.get(f"{a}/v1/cp/namespaces/huge").status_code == 404
     assert create_namespace(a, "huge", 65_537).status_code == 201  # the limit itself is allowed
-
-
-# ------------------------------------------------------------------ (d) names S3 cannot carry
-
-
-def test_a_control_character_in_a_namespace_name_is_refused_at_creation(
-    agent_plane: ControlPlane, sm: Any
-) -> None:
-    (a,) = (url(n) for n in cluster(sm, agent_plane, "names", 1))
-    for name, code in (
-        ("bad\x00name", "U+0000"),
-        ("tab\tname", "U+0009"),
-        ("del\x7f", "U+007F"),
-        ("c1\x85", "U+0085"),
-    ):
-        path = f"{a}/v1/cp/namespaces/{quote(name, safe='')}"
-        refused = httpx.post(path, params={"num_ranks": 1})
-        assert refused.status_code == 400, (name, refused.text)
-        assert refused.json()["error"] == "InvalidNamespace"
-        assert f"control character {code}" in refused.json()["message"]
-        # Nothing was saved, so no save can make a step S3 would never take.
-        assert httpx.get(path).status_code == 404
-        shard = httpx.post(
-            f"{a}/v1/cp/checkpoints/{quote(name, safe='')}/0/1",
-            content=b"x",
-            headers={"Shard-Meta": meta(b"x")},
-        )
-        assert shard.status_code == 404, shard.text
-    listing = httpx.get(f"{agent_plane.url}/clusters/names/nodes").json()["ClusterNodeSummaries"]
-    assert all("S3Tier" not in node.get("AgentStatus", {}) for node in listing)
-    # What the amzn-sagemaker-checkpointing library sends (a training job's name, or job-<time>)
-    # and other printable names still work.
-    for name in ("job-1764662400", "llama-70b_run.2", "ünïcode name"):
-        assert create_namespace(a, quote(name, safe=""), 2).status_code == 201, name
 
 
 # ------------------------------------------------------------------ (f) a full shared memory
