@@ -5,12 +5,15 @@ library uses go on working, and persist."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 import pytest
+from sqlalchemy import select
 
+from hyperpod_sim.models import CheckpointNamespace, Cluster
 from tests.conftest import ControlPlane, wait_for
 from tests.test_memory_tier import cluster, create_namespace, put, url
 from tests.test_s3_tier import CREDENTIALS, bucket, markers, moto_url, s3, set_policy  # noqa: F401
@@ -19,6 +22,9 @@ pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
     pytest.mark.patient_heartbeats,
 ]
+
+
+OLD = quote("old\x00name", safe="")  # a namespace an older control plane saved, in a URL
 
 
 @pytest.fixture
@@ -69,3 +75,37 @@ def test_a_control_character_in_a_namespace_name_is_refused_at_creation(
     tier = wait_for(s3_tier, timeout=60, what="every namespace's step persisted")
     assert tier["PendingSteps"] == 0
     assert tier.get("LastError") is None
+
+
+def test_a_namespace_named_before_the_check_gives_its_persists_up(
+    agent_plane: ControlPlane,
+    sm: Any,
+    bucket: str,  # noqa: F811
+) -> None:
+    """A namespace with a NUL that an older control plane saved: its saves still work in memory,
+    its persists fail as permanent (no S3 key can carry the name), and no step stays pending."""
+    (node,) = cluster(sm, agent_plane, "older", 1)
+    a = url(node)
+    set_policy(agent_plane, sm, "older", S3BaseUri=f"s3://{bucket}/o", PersistEverySteps=1)
+    with agent_plane.services.db.write() as session:
+        cluster_id = session.scalars(select(Cluster.id).where(Cluster.name == "older")).one()
+        session.add(
+            CheckpointNamespace(
+                cluster_id=cluster_id,
+                name="old\x00name",
+                num_ranks=1,
+                steps_retained=3,
+                created_at=datetime.now(UTC),
+            )
+        )
+    data = b"saved before the rule" * 1000
+    assert put(a, OLD, 0, 1, data).status_code == 200
+
+    def given_up() -> dict[str, Any] | None:
+        details = httpx.get(f"{agent_plane.url}/clusters/older/nodes/{node['InstanceId']}").json()
+        tier: dict[str, Any] | None = details["NodeDetails"]["AgentStatus"].get("S3Tier")
+        return tier if tier and tier.get("FailuresTotal") and tier.get("PendingSteps") == 0 else None
+
+    tier = wait_for(given_up, timeout=60, what="the persist given up, nothing pending")
+    assert "control character U+0000" in tier["LastError"]
+    assert httpx.get(f"{a}/v1/cp/checkpoints/{OLD}/0/1").content == data
