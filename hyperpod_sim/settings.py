@@ -163,6 +163,21 @@ class LimitSettings(BaseModel):
         "(ResourceLimitExceeded past it).",
     )
     max_clusters: int = Field(default=100, ge=1, description="Account limit on clusters.")
+    # The defaults of the namespaces' limits are contracts/limits.py's (settings sits beside
+    # contracts, so it cannot import them; tests/test_limits.py holds them equal).
+    max_namespaces_per_cluster: int = Field(
+        default=256,
+        ge=1,
+        description="The most checkpoint namespaces of the in-memory tier one cluster holds (a "
+        "namespace creation past it is refused with 400 ResourceLimitExceeded; deleting one makes room).",
+    )
+    max_namespace_ranks: int = Field(
+        default=65_537,
+        ge=1,
+        le=1_000_000,
+        description="The most ranks (the metadata rank included) of one checkpoint namespace; more is "
+        "refused with 400 ValidationException. At most 1,000,000, the agents' own ceiling.",
+    )
     max_body_bytes: int = Field(
         default=1024 * 1024,
         ge=1024,

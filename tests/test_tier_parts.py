@@ -124,3 +124,40 @@ def test_fast_path_gives_back_writes_and_leases_past_their_timeout(tmp_path: Pat
         taken.abort()
 
     asyncio.run(scenario())
+
+
+def test_fast_path_leases_are_capped_until_some_end(tmp_path: Path) -> None:
+    """Issue 23: a flood of locates never released held memory until their leases expired; now
+    the agent holds at most ``max_entries`` and refuses more (429) until some end or expire."""
+
+    async def scenario() -> None:
+        manual = ManualClock()
+        tasks: list[asyncio.Future[None]] = []
+
+        def spawn(coroutine: Awaitable[None]) -> None:
+            tasks.append(asyncio.ensure_future(coroutine))
+
+        fast = FastPath(clock=manual.clock(), timeout_s=10.0, spawn=spawn, max_entries=3)
+        unpinned: list[int] = []
+        leases = []
+        for n in range(3):
+            fast.check_room(leases=True)
+            leases.append(fast.lease(lambda n=n: unpinned.append(n)))
+        with pytest.raises(TierError) as refused:
+            fast.check_room(leases=True)
+        assert (refused.value.status, refused.value.error) == (429, "ResourceLimitExceeded")
+        assert refused.value.extra == {"limit": 3}
+        fast.check_room(leases=False)  # open writes are counted apart
+        assert fast.release(leases[0])
+        fast.check_room(leases=True)
+        await asyncio.gather(*tasks)  # the other two expire
+        assert sorted(unpinned) == [0, 1, 2]
+        for _ in range(3):
+            fast.check_room(leases=True)
+            fast.lease(lambda: None)
+        with pytest.raises(TierError):
+            fast.check_room(leases=True)
+        for task in tasks:
+            task.cancel()
+
+    asyncio.run(scenario())

@@ -2,8 +2,9 @@
 
 - ``PUT /v1/policy`` (the control plane): this node's control-plane token, always.
 - ``/v1/internal/*`` (the other agents of the cluster): the cluster token, always.
-- ``/v1/cp`` writes and deletes (everything but GET) and every ``/v1/fast`` route: the cluster's
-  checkpoint token, when its checkpoint policy's ``AgentAccess`` is ``Token``; nothing when ``Open``.
+- ``/v1/cp`` writes and deletes (everything but GET) and every fast-path route, under
+  ``/v1/fast/...`` or its alias ``/v1/cp/fast/...``: the cluster's checkpoint token, when its
+  checkpoint policy's ``AgentAccess`` is ``Token``; nothing when ``Open``.
 
 Refusals: 401 ``MissingToken`` without a usable ``Authorization: Bearer`` header, 401
 ``NotRegistered`` while the agent does not know what to check against yet, 403 ``InvalidToken``
@@ -42,10 +43,12 @@ def refusal(state: AgentState, request: Request, credential: Credential) -> Resp
     return error_response(403, "InvalidToken", f"the token is not the {credential.value} of {state.cluster}")
 
 
-def checkpoint_credential(state: AgentState, method: str, prefix: str) -> Credential | None:
-    """The credential a tier route needs: ``prefix`` is ``cp`` or ``fast``."""
+def checkpoint_credential(state: AgentState, method: str, *, fast_path: bool) -> Credential | None:
+    """The credential a tier route needs. ``fast_path``: the route is one of the same-host fast
+    path's, whichever prefix reached it (``/v1/fast/...``, or ``/v1/cp/fast/...``: a locate there
+    without the token answered a path, a checksum and a lease, issue 23)."""
     if not state.checkpoint_token_required:
         return None
-    if prefix == "fast" or method not in ("GET", "HEAD"):
+    if fast_path or method not in ("GET", "HEAD"):
         return Credential.CHECKPOINT
     return None

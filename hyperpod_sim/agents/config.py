@@ -4,7 +4,8 @@ Each flag of ``hyperpod-sim agent`` has an environment variable named after it:
 ``--control-plane`` is ``HPSIM_AGENT_CONTROL_PLANE``, ``--heartbeat-interval`` is
 ``HPSIM_AGENT_HEARTBEAT_INTERVAL`` (``HPSIM_AGENT_HEARTBEAT_INTERVAL_S`` works too). Flags win over
 the environment. The retry knobs and the upload deadline (``HPSIM_AGENT_UPLOAD_DEADLINE_BASE_S``,
-``HPSIM_AGENT_UPLOAD_MIN_RATE_BYTES_PER_S``) have no flag.
+``HPSIM_AGENT_UPLOAD_MIN_RATE_BYTES_PER_S``) and the fast path's cap
+(``HPSIM_AGENT_MAX_FAST_LEASES``) have no flag.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from hyperpod_sim.contracts.limits import DEFAULT_MAX_FAST_LEASES
 
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
@@ -81,6 +84,13 @@ class AgentSettings(BaseSettings):
         gt=0,
         description="The slowest transfer rate a request body may average (default 1 MiB/s): with the "
         "base of 30 s a 100 MiB shard has 130 s to arrive.",
+    )
+    max_fast_leases: int = Field(
+        default=DEFAULT_MAX_FAST_LEASES,
+        ge=1,
+        description="The most same-host fast-path read leases this agent holds at once, and as many "
+        "open fast-path writes: past it a locate (or a reserve) is answered 429 ResourceLimitExceeded "
+        "until some are released or expire.",
     )
     instance_type: str | None = Field(default=None, description="Instance type reported at registration.")
     memory_bytes: int | None = Field(

@@ -1,6 +1,8 @@
 """The same-host fast path's bookkeeping: open writes (a reservation a trainer on this host maps
 and writes into, until it commits) and read leases (a shard file a trainer maps, kept from reuse
 until it releases it). Either one not ended within ``timeout_s`` is given back: its trainer died.
+At most ``max_entries`` of each are held at once (issue 23: 40,000 locates without a release grew
+an agent by 27 MB until their leases expired); past that a caller is refused until some end.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 
 from hyperpod_sim.agents.clock import Clock
 from hyperpod_sim.agents.store import Reservation
-from hyperpod_sim.agents.tiermodel import Namespace
+from hyperpod_sim.agents.tiermodel import Namespace, TierError
+from hyperpod_sim.contracts.limits import DEFAULT_MAX_FAST_LEASES
 
 log = logging.getLogger("hyperpod_sim.agents.tier")
 
@@ -35,12 +38,37 @@ class FastWrite:
 
 
 class FastPath:
-    def __init__(self, *, clock: Clock, timeout_s: float, spawn: Callable[[Awaitable[None]], None]) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        timeout_s: float,
+        spawn: Callable[[Awaitable[None]], None],
+        max_entries: int = DEFAULT_MAX_FAST_LEASES,
+    ) -> None:
         self._clock = clock
         self.timeout_s = timeout_s
+        self.max_entries = max_entries
         self._spawn = spawn
         self._writes: dict[str, FastWrite] = {}  # token -> an open same-host write
         self._leases: dict[str, tuple[Callable[[], None], float]] = {}  # lease -> (unpin, deadline)
+
+    def check_room(self, *, leases: bool) -> None:
+        """TierError 429 ``ResourceLimitExceeded`` when this agent holds ``max_entries`` leases
+        (``leases``) or open writes already: nothing is reserved or pinned for the call."""
+        held, what, ends = (
+            (len(self._leases), "read leases", "released (POST /v1/fast/release/{lease})")
+            if leases
+            else (len(self._writes), "open fast-path writes", "committed or aborted")
+        )
+        if held >= self.max_entries:
+            raise TierError(
+                429,
+                "ResourceLimitExceeded",
+                f"this agent holds {held} {what}, its limit is {self.max_entries}: retry once some are "
+                f"{ends} or have expired (after {self.timeout_s:g} s)",
+                limit=self.max_entries,
+            )
 
     def open_write(self, reservation: Reservation, namespace: Namespace) -> str:
         """A token for a new write; it is aborted if not taken back within ``timeout_s``."""

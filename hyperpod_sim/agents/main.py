@@ -107,6 +107,7 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
         replication=settings.replication,
         s3_endpoint_override=settings.s3_endpoint_url,
         drain_timeout_s=settings.drain_timeout_s,
+        max_fast_leases=settings.max_fast_leases,
     )
     server = HttpServer(
         handler=AgentApp(state=state, tier=tier, partition=partition),

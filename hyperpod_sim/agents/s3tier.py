@@ -46,6 +46,7 @@ from hyperpod_sim.agents.s3objects import S3Faults, S3Objects, S3Unavailable
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.agents.store import CorruptShard, ShardKey, ShardStore
 from hyperpod_sim.agents.tiermodel import Namespace, TierError
+from hyperpod_sim.contracts.limits import namespace_name_problem
 from hyperpod_sim.contracts.policy import NodePolicy, S3Policy
 from hyperpod_sim.contracts.s3layout import (
     CommitMarker,
@@ -299,6 +300,11 @@ class S3Tier:
         target = self.target
         if target is None:
             raise PersistFailed("no S3 base URI is configured for this cluster")
+        problem = namespace_name_problem(name)
+        if problem is not None:
+            # A namespace made before names were checked (issue 23: its persists failed forever
+            # as temporary, PendingSteps stuck): no S3 key can carry it, so retrying is useless.
+            raise TierError(400, "InvalidNamespace", f"its steps cannot be persisted to S3: {problem}")
         namespace = await self._cluster.namespace(name)
         objects = await self._client(target)
         marker_key = target.marker_key(name, step)

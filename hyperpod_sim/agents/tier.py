@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -58,15 +59,50 @@ from hyperpod_sim.agents.tiermodel import (
     TierError,
     Upload,
     checked_namespace,
+    checked_new_namespace,
     parse_key,
     parse_shard_meta,
     tier_of,
 )
+from hyperpod_sim.contracts.limits import DEFAULT_MAX_FAST_LEASES, num_ranks_problem
 from hyperpod_sim.contracts.policy import NodePolicy
 from hyperpod_sim.contracts.s3layout import WRITTEN_BY_TRAINER
 from hyperpod_sim.contracts.shards import SHARD_META, TIER_HEADER, checksum_of
 
 log = logging.getLogger(__name__)
+
+
+def _control_plane_refusal(response: httpx.Response, *, default: str) -> TierError:
+    """The control plane's refusal of a call, as this agent answers it: its status, code and
+    message (``default`` the code when its body names none)."""
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        doc = {}
+    error, message = doc.get("error"), doc.get("message")
+    return TierError(
+        response.status_code,
+        error if isinstance(error, str) and error else default,
+        message if isinstance(message, str) else f"the control plane refused it: {response.text[:200]}",
+    )
+
+
+# The errors of a file system that has no room left (shared memory's tmpfs full, a quota).
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _out_of_room(exc: OSError, *, needed: int) -> TierError:
+    """The 507 for a write that found the shared memory full below the agent's budget (the tmpfs
+    is shared with other processes, or smaller than the budget): the write is undone already."""
+    return TierError(
+        507,
+        "InsufficientStorage",
+        f"the shared memory holding this agent's shards has no room for {needed} more bytes "
+        f"({exc.strerror or exc}); nothing was stored",
+        needed=needed,
+    )
 
 
 class MemoryTier:
@@ -84,6 +120,7 @@ class MemoryTier:
         s3_endpoint_override: str | None = None,
         drain_timeout_s: float = 30.0,
         fast_timeout_s: float = 120.0,
+        max_fast_leases: int = DEFAULT_MAX_FAST_LEASES,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.state = state
@@ -100,7 +137,9 @@ class MemoryTier:
             spawn=self._spawn,
             mode=replication,
         )
-        self.fast = FastPath(clock=clock, timeout_s=fast_timeout_s, spawn=self._spawn)
+        self.fast = FastPath(
+            clock=clock, timeout_s=fast_timeout_s, spawn=self._spawn, max_entries=max_fast_leases
+        )
         self.s3 = S3Tier(
             state=state,
             store=store,
@@ -129,18 +168,23 @@ class MemoryTier:
         return (await self.cluster.namespace(name)).doc()
 
     async def create_namespace(self, name: str, *, num_ranks: int, steps_retained: int) -> dict[str, Any]:
-        checked_namespace(name)
+        """Create a namespace at the control plane, which keeps them (and counts them against its
+        limits). What no setting allows is refused here already: a name S3 keys cannot carry, more
+        ranks than the protocol's ceiling. A refusal of the control plane is answered as it came
+        (``ResourceLimitExceeded``, ``ValidationException``...)."""
+        checked_new_namespace(name)
+        problem = num_ranks_problem(num_ranks)
+        if problem is not None:
+            raise TierError(400, "ValidationException", problem)
         response = await self.cluster.control_plane(
             "POST",
             f"/namespaces/{quote(name, safe='')}",
             {"num_ranks": num_ranks, "steps_retained": steps_retained},
         )
         if response.status_code == 409:
-            raise TierError(409, "NamespaceExists", f"namespace {name!r} already exists")
+            raise TierError(409, "NamespaceExists", f"namespace {echo(name)} already exists")
         if response.status_code != 201:
-            raise TierError(
-                response.status_code, "InvalidNamespace", response.json().get("message", "refused")
-            )
+            raise _control_plane_refusal(response, default="InvalidNamespace")
         doc: dict[str, Any] = response.json()
         self.cluster.remember(Namespace.from_doc(name, doc))
         return doc
@@ -189,6 +233,11 @@ class MemoryTier:
             raise TierError(
                 409, "Cancelled", "the namespace was deleted or reset while this shard was written"
             ) from exc
+        except OSError as exc:
+            reservation.abort()
+            if exc.errno in _NO_ROOM:  # its sidecar found the tmpfs full
+                raise _out_of_room(exc, needed=reservation.size) from exc
+            raise
         except BaseException:
             reservation.abort()
             raise
@@ -224,6 +273,10 @@ class MemoryTier:
                 budget=exc.budget,
                 in_use=exc.in_use,
             ) from exc
+        except OSError as exc:  # the reservation is given back already (ShardStore.reserve)
+            if exc.errno in _NO_ROOM:
+                raise _out_of_room(exc, needed=size) from exc
+            raise
 
     async def put_shard(self, name: str, rank: str, step: str, upload: Upload) -> dict[str, Any]:
         namespace, key = await self._key(name, rank, step)
@@ -240,9 +293,14 @@ class MemoryTier:
         # The rank's next saves get files already allocated and faulted in: its rotation
         # (retention + 1 files) is made now, before the save is answered (the trainer waits on
         # it off its training thread), within the budget.
-        await asyncio.to_thread(
-            self.store.prepare_spares, key.namespace, key.rank, files=namespace.steps_retained + 1
-        )
+        try:
+            await asyncio.to_thread(
+                self.store.prepare_spares, key.namespace, key.rank, files=namespace.steps_retained + 1
+            )
+        except OSError as exc:  # the shard is stored: with a full tmpfs the rank only lacks spares
+            if exc.errno not in _NO_ROOM:
+                raise
+            log.info("no spares for %s: the shared memory is full (%s)", key, exc.strerror)
         self.s3.on_saved(namespace, key)
         await self.replicas.after_save(info)
 
@@ -276,6 +334,7 @@ class MemoryTier:
         placeholder; the commit names the step): given back, it stays the rank's spare."""
         namespace, key = await self._key(name, rank, step)
         wanted, early = size(), ahead()
+        self.fast.check_room(leases=False)
         reservation = await self._reserve(key, wanted, ahead=early)
         token = self.fast.open_write(reservation, namespace)
         return {
@@ -323,6 +382,10 @@ class MemoryTier:
             raise TierError(400, "InvalidSize", str(exc)) from exc
         except ReservationCancelled as exc:
             raise TierError(409, "Cancelled", "the namespace was deleted or reset meanwhile") from exc
+        except OSError as exc:  # the reservation is given back already (Reservation.commit_written)
+            if exc.errno in _NO_ROOM:
+                raise _out_of_room(exc, needed=written) from exc
+            raise
         await self._after_save(write.namespace, info)
         key = info.key
         return {
@@ -353,6 +416,7 @@ class MemoryTier:
         if found is None:
             raise TierError(404, "ShardNotHere", "this node holds no copy; read it through /v1/cp")
         info, buffer_id = found
+        self.fast.check_room(leases=True)
         # The file is not reused for a later save (truncated, rewritten) while the reader holds
         # this lease: until it releases it, or for the fast path's timeout.
         lease = self.fast.lease(self.store.pin(key))

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from hyperpod_sim.agents.numbers import canonical_int
 from hyperpod_sim.agents.store import ShardInfo, ShardKey, check_namespace
+from hyperpod_sim.contracts.limits import namespace_name_problem
 from hyperpod_sim.contracts.shards import ShardMetaError
 from hyperpod_sim.contracts.shards import parse_shard_meta as parse_checksum_header
 
@@ -104,6 +105,18 @@ def checked_namespace(name: str) -> str:
         check_namespace(name)
     except ValueError as exc:
         raise TierError(400, "InvalidNamespace", str(exc)) from exc
+    return name
+
+
+def checked_new_namespace(name: str) -> str:
+    """``name`` if a namespace may be created with it: it can be stored (``checked_namespace``)
+    and persisted to S3 (no control characters: ``contracts.limits.namespace_name_problem``); a
+    TierError 400 otherwise. Only creation checks the second: a namespace made before the rule
+    can still be read and deleted."""
+    checked_namespace(name)
+    problem = namespace_name_problem(name)
+    if problem is not None:
+        raise TierError(400, "InvalidNamespace", problem)
     return name
 
 

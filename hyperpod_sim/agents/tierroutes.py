@@ -21,7 +21,13 @@ from hyperpod_sim.agents.httpserver import Request, Response, error_response, js
 from hyperpod_sim.agents.numbers import canonical_int
 from hyperpod_sim.agents.state import Credential
 from hyperpod_sim.agents.tier import MemoryTier
-from hyperpod_sim.agents.tiermodel import ShardCopy, TierError, checked_namespace, parse_shard_meta
+from hyperpod_sim.agents.tiermodel import (
+    ShardCopy,
+    TierError,
+    checked_namespace,
+    checked_new_namespace,
+    parse_shard_meta,
+)
 from hyperpod_sim.contracts.shards import SHARD_META, TIER_HEADER, shard_meta
 
 OCTETS = "application/octet-stream"
@@ -132,14 +138,17 @@ class TierRoutes:
         state = self.tier.state
         if parts[:2] in (["v1", "cp"], ["v1", "fast"]):
             # /v1/cp/...: the library's protocol; /v1/fast/...: the same-host fast path of our SDK.
-            route = self._public_route(request.method, parts[2:] if parts[1] == "cp" else parts[1:])
+            # The fast path's routes answer under both prefixes: /v1/cp/fast/... is /v1/fast/...
+            route_parts = parts[2:] if parts[1] == "cp" else parts[1:]
+            route = self._public_route(request.method, route_parts)
             if route is None:
                 return None
             if not state.tiered_storage_enabled:
                 return RouteMatch(_tiering_off, None)
-            # Writes and deletes need the checkpoint token when the cluster's AgentAccess is Token.
+            # Writes, deletes and the fast path need the checkpoint token when AgentAccess is Token.
+            fast_path = route_parts[:1] == ["fast"]
             return RouteMatch(
-                _answering_errors(route), checkpoint_credential(state, request.method, parts[1])
+                _answering_errors(route), checkpoint_credential(state, request.method, fast_path=fast_path)
             )
         if parts[:2] == ["v1", "internal"]:
             route = self._internal_route(request.method, parts[2:])
@@ -225,7 +234,7 @@ class TierRoutes:
         return respond(answer())
 
     async def _create_namespace(self, name: str, request: Request) -> Response:
-        checked_namespace(name)
+        checked_new_namespace(name)
         num_ranks = query_int(request, "num_ranks")
         steps = query_int(request, "steps_retained", default=3)
         doc = await self.tier.create_namespace(name, num_ranks=num_ranks, steps_retained=steps)

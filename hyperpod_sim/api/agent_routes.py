@@ -254,7 +254,10 @@ async def get_namespace(cluster: str, name: str, request: Request, services: Ser
     NAMESPACE_ROUTE,
     summary="Create a checkpoint namespace",
     description="What an agent does when a trainer creates a namespace through it (409 if it exists). "
-    "The retention is capped at the cluster's in-memory retention.",
+    "The retention is capped at the cluster's in-memory retention. 400 ResourceLimitExceeded when the "
+    "cluster holds HPSIM_LIMITS__MAX_NAMESPACES_PER_CLUSTER namespaces already, ValidationException "
+    "for num_ranks outside 1..HPSIM_LIMITS__MAX_NAMESPACE_RANKS, InvalidNamespace for a name with a "
+    "control character.",
     status_code=201,
     response_model=NamespaceDocument,
     responses=_EXISTS,

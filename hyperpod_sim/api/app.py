@@ -124,6 +124,8 @@ def build_services(
             memory_scale=settings.simulation.memory_scale,
             s3_endpoint=s3_endpoint,
             local_agents=provisioner.owns_agents,
+            max_namespaces_per_cluster=settings.limits.max_namespaces_per_cluster,
+            max_namespace_ranks=settings.limits.max_namespace_ranks,
         ),
         on_change=reconciler.wake,
     )

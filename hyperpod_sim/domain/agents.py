@@ -14,10 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from hyperpod_sim.contracts.limits import MAX_EVENT_MESSAGE, MAX_RANKS
+from hyperpod_sim.contracts.limits import (
+    DEFAULT_MAX_NAMESPACE_RANKS,
+    DEFAULT_MAX_NAMESPACES_PER_CLUSTER,
+    MAX_EVENT_MESSAGE,
+    namespace_name_problem,
+    num_ranks_problem,
+)
 from hyperpod_sim.domain import credentials, events
 from hyperpod_sim.domain.agent_inputs import check_endpoint, check_s3_status
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
@@ -37,6 +43,9 @@ class AgentConfig:
     # The control plane starts every node's agent itself (local provisioner): those register with
     # their launch secret only, the bootstrap token registers nothing, endpoints are loopback.
     local_agents: bool = False
+    # Limits of the in-memory tier's namespaces (HPSIM_LIMITS__*, docs/memory-tier.md "Limits").
+    max_namespaces_per_cluster: int = DEFAULT_MAX_NAMESPACES_PER_CLUSTER
+    max_namespace_ranks: int = DEFAULT_MAX_NAMESPACE_RANKS
 
 
 def check_token(presented: str | None, expected: str) -> None:
@@ -436,11 +445,15 @@ class AgentService:
     def create_namespace(
         self, *, cluster_name: str, token: str | None, name: str, num_ranks: int, steps_retained: int
     ) -> dict[str, Any]:
-        """Create a namespace; its retention is capped at the cluster's in-memory retention."""
-        if not 1 <= num_ranks <= MAX_RANKS:
-            raise AgentProtocolError(
-                400, "InvalidNamespace", f"num_ranks must be between 1 and {MAX_RANKS}, got {num_ranks}."
-            )
+        """Create a namespace; its retention is capped at the cluster's in-memory retention. At
+        most ``max_namespaces_per_cluster`` per cluster, of at most ``max_namespace_ranks`` ranks,
+        with a name S3 keys can carry (no control characters)."""
+        problem = namespace_name_problem(name)
+        if problem is not None:
+            raise AgentProtocolError(400, "InvalidNamespace", f"{problem[0].upper()}{problem[1:]}.")
+        problem = num_ranks_problem(num_ranks, most=self.config.max_namespace_ranks)
+        if problem is not None:
+            raise AgentProtocolError(400, "ValidationException", problem)
         if steps_retained < 1:
             raise AgentProtocolError(
                 400, "InvalidNamespace", f"steps_retained must be at least 1, got {steps_retained}."
@@ -449,6 +462,19 @@ class AgentService:
             cluster = self._cluster_for(session, cluster_name, token, lock=True)
             if self._find_namespace(session, cluster, name) is not None:
                 raise AgentProtocolError(409, "NamespaceExists", f"Namespace '{name}' already exists.")
+            held = session.scalar(
+                select(func.count())
+                .select_from(CheckpointNamespace)
+                .where(CheckpointNamespace.cluster_id == cluster.id)
+            )
+            limit = self.config.max_namespaces_per_cluster
+            if (held or 0) >= limit:
+                raise AgentProtocolError(
+                    400,
+                    "ResourceLimitExceeded",
+                    f"The cluster '{cluster_name}' already has {held} checkpoint namespaces, the limit is "
+                    f"{limit}. Delete a namespace it no longer needs.",
+                )
             namespace = CheckpointNamespace(
                 cluster_id=cluster.id,
                 name=name,
