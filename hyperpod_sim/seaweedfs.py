@@ -22,7 +22,7 @@ import sys
 import sysconfig
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hyperpod_sim.infra import processes
@@ -70,6 +70,17 @@ WEED_OFF = (
     # One volume server: nobody to hand over to before it stops (mini waits 1 s by default).
     "-volume.preStopSeconds=0",
 )
+
+
+# What weed inherits from serve's environment beyond the base of every child (PATH, HOME, LANG/LC_*,
+# TMPDIR, ...: infra/processes.py): the Go runtime's knobs. Its own settings come from its flags:
+# nothing from AWS_* (mini makes an identity of those) or S3_*, and none of serve's secrets.
+WEED_ENV_NAMES = frozenset({"GOMAXPROCS", "GOGC", "GOMEMLIMIT", "GODEBUG", "GOTRACEBACK"})
+
+
+def weed_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of serve's environment ``environ`` that weed gets."""
+    return processes.inherited_environment(environ, names=WEED_ENV_NAMES)
 
 
 class WeedError(RuntimeError):
@@ -253,9 +264,7 @@ def start_weed(
     if left is not None:
         return left
     _check_ports_free(port)
-    # Its own settings come from its flags: none from AWS_* (mini makes an identity of those)
-    # or S3_* variables of this environment.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
+    env = weed_environment(os.environ)
     # Not in serve's process group: a Ctrl+C stops serve, which drains its agents to this S3 and
     # then stops it.
     popen = processes.spawn(argv, env=env, log_path=s3_dir / LOG_FILE, cwd=s3_dir)
