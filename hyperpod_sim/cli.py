@@ -4,12 +4,15 @@ SDK-only install never pulls in the server."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from hyperpod_sim import __version__
+
+log = logging.getLogger("hyperpod_sim.serve")
 
 if TYPE_CHECKING:
     import socket
@@ -106,6 +109,8 @@ def _serve_locked(
         print(embedded.banner(), flush=True)
     try:
         app = create_app(settings, agent_env=agent_env)
+        if embedded is not None:
+            embedded.supervise(_s3_events(app))
         print(
             f"hyperpod-sim control plane on http://{settings.host}:{settings.port} "
             f"(database: {settings.database_url()}; {_auth_line(settings)})\n"
@@ -118,6 +123,22 @@ def _serve_locked(
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+def _s3_events(app: Any) -> Callable[[str, str], None]:
+    """What the embedded S3's supervisor tells: a cluster event on each cluster persisting to it
+    (the app's services exist once its lifespan has started; before, a log line only)."""
+    from hyperpod_sim.domain.events import Level
+
+    def record(level: str, message: str) -> None:
+        services = getattr(app.state, "services", None)
+        if services is None:
+            log.warning("%s", message)
+            return
+        named = services.clusters.record_s3_event(level=Level(level), description=message)
+        log.info("recorded on %d cluster(s): %s", len(named), message)
+
+    return record
 
 
 def _is_loopback(host: str) -> bool:

@@ -398,7 +398,7 @@ def checkpoints(client: HyperPodClient, args: argparse.Namespace) -> int:
                     step["Step"],
                     f"{len(memory)}/{ranks}",
                     f"{len(replicas)}/{ranks}",
-                    "yes" if step.get("S3") else "no",
+                    "unknown" if step.get("S3") is None else "yes" if step["S3"] else "no",
                     "yes" if step.get("Complete") else "no",
                     ranges(missing) if missing else None,
                 ]

@@ -12,8 +12,11 @@ Two kinds (``HPSIM_S3__EMBEDDED``):
   ``<data dir>/s3-credentials`` (an AWS shared credentials file); the agents get them in their
   environment. It runs in a session of its own, so a Ctrl+C to serve's process group does not stop
   it before the agents have drained: serve stops it last. One left running by a serve that was
-  killed is adopted by the next serve on the same data dir. The process is
-  hyperpod_sim/seaweedfs.py's work; this module gives it the credentials and the bucket.
+  killed is adopted by the next serve on the same data dir. While serve runs it is supervised
+  (:class:`S3Supervisor`): killed or crashed, it is started again with the same data dir, ports
+  and credentials, and serve records a cluster event on every cluster that persists to it when it
+  goes and when it is back. The process is hyperpod_sim/seaweedfs.py's work; this module gives it
+  the credentials and the bucket.
 - **moto**: moto's S3 server in this process, on a free port. Not durable: moto keeps every object
   in memory. For API-only runs and tests.
 
@@ -29,6 +32,7 @@ import logging
 import os
 import secrets
 import string
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +52,9 @@ CREDENTIALS_FILE = "s3-credentials"  # in the data dir
 S3_DIR = "s3"  # SeaweedFS's data, in the data dir
 HOST = "127.0.0.1"
 READY_PROBE_KEY = ".hpsim-ready"
+# How often the supervisor looks whether weed still runs; its waits between failed restarts.
+SUPERVISE_INTERVAL_S = 0.5
+RESTART_BACKOFF_S = (1.0, 30.0)
 
 
 class EmbeddedS3Error(RuntimeError):
@@ -139,6 +146,20 @@ class EmbeddedS3:
     pid: int | None = None  # seaweedfs: the weed process
     adopted: bool = False  # seaweedfs: left running by a serve that did not stop it
     _stopped: bool = field(default=False, repr=False)
+    _weed: seaweedfs.Weed | None = field(default=None, repr=False)
+    _settings: S3Settings | None = field(default=None, repr=False)
+    _supervisor: S3Supervisor | None = field(default=None, repr=False)
+
+    def supervise(self, notify: Callable[[str, str], None] = lambda level, message: None) -> None:
+        """Keep SeaweedFS running until :meth:`stop` (see :class:`S3Supervisor`); ``notify(level,
+        message)`` hears when it stopped and when it is back. Nothing to do for moto (in process)."""
+        if self._weed is None or self._settings is None or self._supervisor is not None:
+            return
+        assert self.credentials is not None
+        self._supervisor = S3Supervisor(
+            self._weed, settings=self._settings, credentials=self.credentials, notify=notify
+        )
+        self._supervisor.start()
 
     def agent_env(self) -> dict[str, str]:
         """Environment variables the agents need to reach this endpoint: SeaweedFS's credentials
@@ -164,6 +185,8 @@ class EmbeddedS3:
     def stop(self) -> None:
         if not self._stopped:
             self._stopped = True
+            if self._supervisor is not None:
+                self._supervisor.stop()  # not started again once it is being stopped
             self._stop()
 
     def __enter__(self) -> EmbeddedS3:
@@ -292,7 +315,119 @@ def start_seaweedfs_s3(settings: S3Settings, *, data_dir: Path, port: int | None
         credentials_file=credentials_path(data_dir),
         pid=weed.pid,
         adopted=weed.adopted,
+        _weed=weed,
+        _settings=settings,
     )
+
+
+class S3Supervisor:
+    """Keeps the embedded SeaweedFS running while serve runs.
+
+    A thread looks every SUPERVISE_INTERVAL_S whether weed still runs. Once it has exited (killed,
+    crashed), it is started again with the same command line (seaweedfs.Weed.respawn): the same
+    data dir, ports and identities, so every object stored before is there again, at the same
+    endpoint, with the same credentials; and waited for until a signed write succeeds and the
+    master knows every volume, as at serve's start. ``notify(level, message)`` hears that it
+    stopped (``Warn``) and that it is back (``Info``): serve records them as cluster events. A
+    restart that fails (a port taken meanwhile, not ready within
+    HPSIM_S3__EMBEDDED_START_TIMEOUT_S) is tried again after a wait that doubles from 1 s to 30 s.
+    """
+
+    def __init__(
+        self,
+        weed: seaweedfs.Weed,
+        *,
+        settings: S3Settings,
+        credentials: S3Credentials,
+        notify: Callable[[str, str], None],
+        interval_s: float = SUPERVISE_INTERVAL_S,
+    ) -> None:
+        self.weed = weed
+        self.settings = settings
+        self.credentials = credentials
+        self.notify = notify
+        self.interval_s = interval_s
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="embedded-s3-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop supervising (a restart under way stops waiting); weed itself is left to the caller."""
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval_s):
+            if not self.weed.alive():
+                self._restart()
+
+    def _tell(self, level: str, message: str) -> None:
+        try:
+            self.notify(level, message)
+        except Exception:
+            log.exception("could not report: %s", message)
+
+    def _restart(self) -> None:
+        weed = self.weed
+        url = weed.endpoint_url
+        how = weed.exit_status()
+        log.error(
+            "the embedded S3 (SeaweedFS pid %d) stopped while serve runs (%s); starting it again "
+            "at %s with the same data; the end of %s:\n%s",
+            weed.pid,
+            how,
+            url,
+            weed.log_path,
+            seaweedfs.log_tail(weed.log_path),
+        )
+        self._tell(
+            "Warn",
+            f"The embedded S3 at {url} stopped ({how}): checkpoints are not persisted to S3, nor "
+            "read from it, until it is back. The control plane is starting it again with the same data.",
+        )
+        wait_s, max_wait_s = RESTART_BACKOFF_S
+        client = _client(url, self.settings.region, self.credentials, timeout_s=5)
+        try:
+            while not self._stopping.is_set():
+                started = time.monotonic()
+                timeout_s = self.settings.embedded_start_timeout_s
+                try:
+                    weed.respawn()
+                    seaweedfs.wait_ready(
+                        weed,
+                        lambda: _answers(client, self.settings, url),
+                        deadline=started + timeout_s,
+                        timeout_s=timeout_s,
+                        cancelled=self._stopping.is_set,
+                    )
+                except (seaweedfs.WeedError, EmbeddedS3Error) as exc:
+                    if self._stopping.is_set():
+                        return
+                    log.error("the embedded S3 did not come back: %s; trying again in %.0f s", exc, wait_s)
+                    if weed.alive():
+                        weed.stop()
+                    self._stopping.wait(wait_s)
+                    wait_s = min(wait_s * 2, max_wait_s)
+                    continue
+                self.restarts += 1
+                log.warning(
+                    "the embedded S3 is back at %s (SeaweedFS pid %d, %.1f s)",
+                    url,
+                    weed.pid,
+                    time.monotonic() - started,
+                )
+                self._tell(
+                    "Info",
+                    f"The embedded S3 at {url} is back (restarted with the same data and credentials): "
+                    "checkpoints persist to S3 again.",
+                )
+                return
+        finally:
+            client.close()
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import sys
 import sysconfig
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hyperpod_sim.infra import processes
@@ -70,6 +70,17 @@ WEED_OFF = (
     # One volume server: nobody to hand over to before it stops (mini waits 1 s by default).
     "-volume.preStopSeconds=0",
 )
+
+
+# What weed inherits from serve's environment beyond the base of every child (PATH, HOME, LANG/LC_*,
+# TMPDIR, ...: infra/processes.py): the Go runtime's knobs. Its own settings come from its flags:
+# nothing from AWS_* (mini makes an identity of those) or S3_*, and none of serve's secrets.
+WEED_ENV_NAMES = frozenset({"GOMAXPROCS", "GOGC", "GOMEMLIMIT", "GODEBUG", "GOTRACEBACK"})
+
+
+def weed_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of serve's environment ``environ`` that weed gets."""
+    return processes.inherited_environment(environ, names=WEED_ENV_NAMES)
 
 
 class WeedError(RuntimeError):
@@ -195,10 +206,19 @@ def write_identities(s3_dir: Path, access_key_id: str, secret_access_key: str) -
 class Weed:
     """The weed process: a child of this process, or one adopted from a serve that is gone."""
 
-    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None, s3_dir: Path, port: int) -> None:
+    def __init__(
+        self,
+        pid: int,
+        popen: subprocess.Popen[bytes] | None,
+        s3_dir: Path,
+        port: int,
+        argv: list[str] | None = None,
+    ) -> None:
         self.pid = pid
         self.popen = popen
         self.s3_dir = s3_dir
+        self.port = port
+        self.argv = argv  # its command line, to start it again with (respawn)
         self.pid_file = s3_dir / PID_FILE
         self.log_path = s3_dir / LOG_FILE
         self.endpoint_url = f"http://{HOST}:{port}"
@@ -213,6 +233,31 @@ class Weed:
         if self.popen is not None:
             return self.popen.poll() is None
         return processes.start_time(self.pid) is not None
+
+    def exit_status(self) -> str:
+        """How the process ended, for a log line or an event: "killed by SIGKILL", "exit code 2"."""
+        code = self.popen.poll() if self.popen is not None else None
+        if code is None:
+            return "running" if self.alive() else "exited"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def respawn(self) -> None:
+        """Start weed again after it exited, with the same command line: the same data dir, ports
+        and identities, so the same objects at the same endpoint with the same credentials. Not
+        ready yet when it returns (see wait_ready). WeedError if a port was taken meanwhile."""
+        if self.argv is None:
+            raise WeedError(f"SeaweedFS (pid {self.pid}) has no command line to start it again with")
+        _check_ports_free(self.port)
+        popen = processes.spawn(
+            self.argv, env=weed_environment(os.environ), log_path=self.log_path, cwd=self.s3_dir
+        )
+        self.pid, self.popen = popen.pid, popen
+        _write_private(self.pid_file, json.dumps({"pid": popen.pid, "argv": self.argv}))
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -251,15 +296,14 @@ def start_weed(
     argv = weed_argv(binary, s3_dir=s3_dir, port=port, bucket=bucket, identities=identities)
     left = _left_running(s3_dir, argv, data_dir, port)
     if left is not None:
+        left.argv = argv  # the command line it runs with
         return left
     _check_ports_free(port)
-    # Its own settings come from its flags: none from AWS_* (mini makes an identity of those)
-    # or S3_* variables of this environment.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
+    env = weed_environment(os.environ)
     # Not in serve's process group: a Ctrl+C stops serve, which drains its agents to this S3 and
     # then stops it.
     popen = processes.spawn(argv, env=env, log_path=s3_dir / LOG_FILE, cwd=s3_dir)
-    weed = Weed(popen.pid, popen, s3_dir, port)
+    weed = Weed(popen.pid, popen, s3_dir, port, argv)
     _write_private(weed.pid_file, json.dumps({"pid": popen.pid, "argv": argv}))
     return weed
 
@@ -315,7 +359,7 @@ def _volumes_unknown_to_master(s3_dir: Path, master_url: str) -> list[int]:
     return unknown
 
 
-def _log_tail(path: Path, lines: int = 15) -> str:
+def log_tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
     except OSError:
@@ -324,17 +368,24 @@ def _log_tail(path: Path, lines: int = 15) -> str:
 
 
 def wait_ready(
-    weed: Weed, s3_answers: Callable[[], str | None], *, deadline: float, timeout_s: float
+    weed: Weed,
+    s3_answers: Callable[[], str | None],
+    *,
+    deadline: float,
+    timeout_s: float,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> None:
     """Until ``s3_answers`` (a request to weed's S3 gateway: None once it succeeds, else what went
     wrong) succeeds and the master knows every volume on disk, by ``deadline`` (time.monotonic;
     ``timeout_s``, HPSIM_S3__EMBEDDED_START_TIMEOUT_S, is what the message names). WeedError if
-    weed exits or the deadline passes."""
+    weed exits, the deadline passes or ``cancelled`` says so (serve is stopping)."""
     while True:
+        if cancelled():
+            raise WeedError("serve is stopping: the embedded S3 is no longer waited for")
         if not weed.alive():
             raise WeedError(
                 f"SeaweedFS (the embedded S3) exited while starting; the end of {weed.log_path}:\n"
-                f"{_log_tail(weed.log_path)}"
+                f"{log_tail(weed.log_path)}"
             )
         last = s3_answers()
         if last is None:
@@ -349,6 +400,6 @@ def wait_ready(
             raise WeedError(
                 f"the embedded S3 (SeaweedFS, pid {weed.pid}) was not ready at {weed.endpoint_url} within "
                 f"{timeout_s:g} s (HPSIM_S3__EMBEDDED_START_TIMEOUT_S): {last}; "
-                f"the end of {weed.log_path}:\n{_log_tail(weed.log_path)}"
+                f"the end of {weed.log_path}:\n{log_tail(weed.log_path)}"
             )
         time.sleep(0.1)

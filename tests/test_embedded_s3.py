@@ -24,10 +24,13 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from hyperpod_sim.embedded_s3 import EmbeddedS3, EmbeddedS3Error, start_embedded_s3, start_seaweedfs_s3
-from hyperpod_sim.seaweedfs import weed_ports
+from hyperpod_sim.seaweedfs import weed_binary, weed_ports
 from hyperpod_sim.settings import S3Settings, Settings
 from tests.conftest import ServerProcess, embedded_s3_port, free_port, kill_processes_under, wait_for
+from tests.test_agents_integration import event_texts
+from tests.test_memory_tier import cluster, create_namespace, url
 from tests.test_memory_tier_library import agents, run_job
+from tests.test_s3_tier import markers, save_step, set_policy
 
 BUCKET = "hpsim-checkpoints"
 
@@ -332,4 +335,88 @@ def test_the_library_loads_from_the_embedded_s3_what_the_agents_persisted_after_
             second.stop()
     finally:
         first.stop()
+        kill_processes_under(tmp_path)
+
+
+GATED_WEED = Path(__file__).with_name("gated_weed.py")
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_seaweedfs_killed_while_serve_runs_comes_back_with_its_data(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Issue 23 (h): SeaweedFS SIGKILLed while serve runs stayed dead until serve was restarted,
+    and the checkpoint listing showed a step that S3 held as ``"S3": false``. Now serve starts it
+    again on the same port with the same data and credentials, says so in a cluster event, and the
+    listing says "unknown, S3 unreachable" meanwhile. The restart is held back by the test (a weed
+    that waits for a file to go, tests/gated_weed.py) for as long as it looks at the outage."""
+    script = tmp_path / "gated-weed"
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{GATED_WEED}" "{weed_binary()}" "$@"\n')
+    script.chmod(0o755)
+    hold = tmp_path / "hold-weed"
+    env = {
+        "HPSIM_PROVISIONING__MODE": "local",
+        "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "0.2",
+        "HPSIM_S3__WEED_BINARY": str(script),
+        "HPSIM_S3__EMBEDDED_START_TIMEOUT_S": "120",  # the held restart is waited for meanwhile
+    }
+    server = ServerProcess(database_url, tmp_path, env).start()
+    try:
+        sm = server.client()
+        (node,) = cluster(sm, server, "tier", 1, instance_type="ml.g5.2xlarge")
+        set_policy(server, sm, "tier", S3BaseUri=f"s3://{BUCKET}/tier", PersistEverySteps=1)
+        parser = configparser.ConfigParser()
+        parser.read(tmp_path / "s3-credentials")
+        endpoint = f"http://127.0.0.1:{embedded_s3_port(tmp_path)}"
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
+            **parser["default"],
+        )
+        body = os.urandom(1024 * 1024)
+        s3.put_object(Bucket=BUCKET, Key="saved/before.bin", Body=body)
+        assert create_namespace(url(node), "job", 2).status_code == 201
+        save_step([url(node)], "job", 1, 1)
+        wait_for(lambda: markers(s3, BUCKET, "tier/job/") == [1], timeout=60, what="step 1 on S3")
+
+        def job() -> dict[str, Any]:
+            listing = httpx.get(f"{server.url}/clusters/tier/checkpoints", timeout=120)
+            assert listing.status_code == 200, listing.text
+            namespace: dict[str, Any] = listing.json()["Namespaces"][0]
+            return namespace
+
+        held = {"Step": 1, "Memory": {"0": node["InstanceId"], "1": node["InstanceId"]}, "Replica": {}}
+        assert job() == {
+            "Namespace": "job",
+            "NumRanks": 2,
+            "StepsRetained": 3,
+            "Steps": [{**held, "S3": True, "Complete": True}],
+        }
+
+        (first,) = weed_pids(tmp_path)
+        hold.touch()  # its restart waits until the test lets it
+        os.kill(first, signal.SIGKILL)
+        during = wait_for(lambda: (ns := job())["Steps"][0]["S3"] is None and ns, timeout=120, what="unknown")
+        assert during["Steps"] == [{**held, "S3": None, "Complete": True}]
+        assert during["S3Error"].startswith("S3 could not be listed: "), during
+        stopped = f"The embedded S3 at {endpoint} stopped (killed by SIGKILL)"
+        wait_for(
+            lambda: any(e.startswith(stopped) for e in event_texts(sm, "tier")), timeout=60, what="event"
+        )
+
+        hold.unlink()
+        wait_for(lambda: job()["Steps"][0]["S3"] is True, timeout=180, what="S3 listed again")
+        (second,) = weed_pids(tmp_path)
+        assert second != first
+        # The same port and credentials, and what was stored before is there.
+        got = s3.get_object(Bucket=BUCKET, Key="saved/before.bin")["Body"].read()
+        assert hashlib.sha256(got).digest() == hashlib.sha256(body).digest()
+        assert "S3Error" not in job()
+        back = f"The embedded S3 at {endpoint} is back (restarted with the same data and credentials)"
+        assert any(e.startswith(back) for e in event_texts(sm, "tier"))
+    finally:
+        hold.unlink(missing_ok=True)
+        server.stop()
         kill_processes_under(tmp_path)

@@ -505,17 +505,22 @@ class S3Tier:
 
     async def s3_steps(self, name: str) -> dict[int, str]:
         """Every step of ``name`` on S3 -> who wrote it (``WRITTEN_BY_AGENTS``: it has a marker,
-        ``WRITTEN_BY_TRAINER``: the library wrote it complete, without one)."""
+        ``WRITTEN_BY_TRAINER``: the library wrote it complete, without one); {} when S3 fails."""
+        try:
+            return await self.listed_steps(name)
+        except S3Unavailable as exc:
+            log.warning("cannot list S3 steps of %r: %s", name, exc)
+            return {}
+
+    async def listed_steps(self, name: str) -> dict[int, str]:
+        """:meth:`s3_steps`, but S3Unavailable when S3 cannot be listed: for a caller that must
+        tell "not on S3" from "S3 unreachable" (the control plane's checkpoint listing)."""
         target = self.target
         if target is None:
             return {}
         objects = await self._client(target)
         world_size = await self._world_size(name)
-        try:
-            keys = await self._run(lambda: list(objects.keys(target.bucket, target.namespace_prefix(name))))
-        except S3Unavailable as exc:
-            log.warning("cannot list S3 steps of %r: %s", name, exc)
-            return {}
+        keys = await self._run(lambda: list(objects.keys(target.bucket, target.namespace_prefix(name))))
         return s3reads.written_steps(target, name, keys, world_size)
 
     async def _world_size(self, name: str) -> int | None:

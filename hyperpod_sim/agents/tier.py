@@ -39,6 +39,7 @@ from hyperpod_sim.agents.control_plane import ControlPlaneClient
 from hyperpod_sim.agents.fastpath import FastPath
 from hyperpod_sim.agents.numbers import echo
 from hyperpod_sim.agents.replication import Replicator
+from hyperpod_sim.agents.s3objects import S3Unavailable
 from hyperpod_sim.agents.s3tier import S3Tier
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.agents.store import (
@@ -529,8 +530,13 @@ class MemoryTier:
 
     async def local_s3_steps(self, name: str) -> dict[str, Any]:
         """The steps of ``name`` on S3 (with a marker, or written whole by the trainer through the
-        library: those also in ``trainer``), newest first; [] without an S3 tier."""
-        written = await self.s3.s3_steps(name)
+        library: those also in ``trainer``), newest first; [] without an S3 tier; 503
+        ``S3Unavailable`` when S3 cannot be listed (not an empty list: nothing says the steps
+        are not there)."""
+        try:
+            written = await self.s3.listed_steps(name)
+        except S3Unavailable as exc:
+            raise TierError(503, "S3Unavailable", f"S3 cannot be listed: {exc}") from exc
         steps = sorted(written, reverse=True)
         return {"steps": steps, "trainer": [s for s in steps if written[s] == WRITTEN_BY_TRAINER]}
 

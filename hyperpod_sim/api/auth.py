@@ -8,6 +8,11 @@ the AWS CLI sign is what is checked, byte for byte. Refusals are AWS's: ``Missin
 ``UnrecognizedClientException`` (an unknown access key id or bearer token),
 ``InvalidSignatureException`` (a wrong signature, a body that does not match its hash, or a date
 more than 5 minutes away from the server's clock).
+
+What must be signed: ``host`` always and, on the AWS JSON entry (``POST /``), ``content-type`` and
+``x-amz-target`` too, as AWS requires: the target names the operation, so a signature that leaves
+it out would let a captured DescribeCluster be resent as a DeleteCluster. boto3 and the AWS CLI
+sign every header they send, these included.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ SIGV4 = "AWS4-HMAC-SHA256"
 MAX_SKEW_S = 300  # AWS's 5 minutes
 _AMZ_DATE = re.compile(r"^\d{8}T\d{6}Z$")
 _ECHO_LIMIT = 200
+# The headers an AWS JSON call must sign besides host: the operation and the body's media type.
+AWS_JSON_SIGNED = (("content-type", "Content-Type"), ("x-amz-target", "X-Amz-Target"))
 _INVALID_TOKEN = "The security token included in the request is invalid."
 _BAD_SIGNATURE = (
     "The request signature we calculated does not match the signature you provided. Check your AWS "
@@ -62,6 +69,7 @@ class IncomingRequest:
     query_string: str
     headers: list[tuple[str, str]]  # lower-case names, in order
     body: bytes
+    aws_json: bool = False  # the AWS JSON entry (POST /): its operation is the X-Amz-Target header
 
     def header(self, name: str) -> str | None:
         for key, value in self.headers:
@@ -156,6 +164,11 @@ class Authenticator:
         if "host" not in signed:
             raise IncompleteSignature(
                 "'Host' or ':authority' must be a 'SignedHeader' in the AWS Authorization."
+            )
+        unsigned = [shown for name, shown in AWS_JSON_SIGNED if request.aws_json and name not in signed]
+        if unsigned:
+            raise IncompleteSignature(
+                " ".join(f"'{name}' must be a 'SignedHeader' in the AWS Authorization." for name in unsigned)
             )
         amz_date = request.header("x-amz-date")
         if amz_date is None:

@@ -151,6 +151,7 @@ class RequestGate:
             query_string=scope.get("query_string", b"").decode("latin-1"),
             headers=headers,
             body=body,
+            aws_json=path == "/" and scope["method"] == "POST",
         )
         return self.authenticator.authenticate(request)
 

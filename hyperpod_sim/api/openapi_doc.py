@@ -34,7 +34,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object",
         "description": "An agent protocol error (docs/agent-protocol.md).",
         "properties": {
-            "error": {"type": "string", "description": "The error code, e.g. ClusterNotFound"},
+            "error": {"type": "string", "description": "The error code, e.g. NodeNotFound"},
             "message": {"type": "string"},
         },
         "required": ["error", "message"],
@@ -94,9 +94,9 @@ _AGENT_SHARED: dict[str, tuple[str, str, str]] = {
         "The token is not the node token of this node.",
     ),
     "404": (
-        "ClusterNotFound, NodeNotFound or NamespaceNotFound",
-        "ClusterNotFound",
-        "Cluster 'demo' does not exist.",
+        "NodeNotFound or NamespaceNotFound (a missing cluster answers as a wrong token: 401/403)",
+        "NodeNotFound",
+        "Node i-0123456789abcdef0 is not a node of cluster 'demo'.",
     ),
     "413": (
         TOO_LARGE,

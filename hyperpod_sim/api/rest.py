@@ -655,7 +655,9 @@ CHECKPOINTS_EXAMPLE = {
     summary="Where the cluster's checkpoints are held (hyperpod-sim extension)",
     description="Every checkpoint namespace of the cluster with its steps, newest first: for each "
     "rank, the node holding its primary copy in memory (`Memory`) and the nodes holding a replica "
-    "(`Replica`); whether the step is committed on S3 (`S3`); and whether it can be restored "
+    "(`Replica`); whether the step is committed on S3 (`S3`: true or false once S3 was listed; "
+    "null when it could not be, S3 being unreachable, with the reason in the namespace's `S3Error`); "
+    "and whether it can be restored "
     "(`Complete`: every rank is held in memory somewhere, or the step is on S3). The control plane "
     "asks the agent of every Running node, in parallel with a short timeout; agents that do not "
     "answer are left out of the view and named in `Unreachable`.",

@@ -5,6 +5,10 @@ with its node's launch secret; with the external provisioner, any agent with the
 bound to a pending node slot nobody else holds. Every other call carries the node token that
 registration answered (hyperpod_sim/domain/credentials.py): it authenticates that one node, so an agent cannot
 heartbeat, pull or report events for another node. A missing token is 401, a wrong one 403.
+
+A caller without a valid token learns nothing about which clusters exist: a missing and an
+existing cluster answer alike (401 without a token, 403 with a wrong one, 404 ``NodeNotFound`` for
+a node it names), since these routes are open to anyone who reaches the port.
 """
 
 from __future__ import annotations
@@ -50,13 +54,17 @@ class AgentConfig:
 
 def check_token(presented: str | None, expected: str) -> None:
     if not presented:
-        raise AgentProtocolError(401, "MissingToken", "Authorization: Bearer <bootstrap token> is required.")
+        raise _missing_token("bootstrap token")
     if not hmac.compare_digest(presented.encode(), expected.encode()):
-        raise AgentProtocolError(403, "InvalidToken", "The token is not the bootstrap token of this cluster.")
+        raise _not_the_bootstrap_token()
 
 
 def _missing_token(what: str) -> AgentProtocolError:
     return AgentProtocolError(401, "MissingToken", f"Authorization: Bearer <{what}> is required.")
+
+
+def _not_the_bootstrap_token() -> AgentProtocolError:
+    return AgentProtocolError(403, "InvalidToken", "The token is not the bootstrap token of this cluster.")
 
 
 def _not_a_node_token(cluster_name: str) -> AgentProtocolError:
@@ -106,10 +114,6 @@ class AgentService:
             404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster.name}'."
         )
 
-    def _cluster_exists(self, session: Session, name: str) -> None:
-        if session.scalar(select(Cluster.id).where(Cluster.name == name)) is None:
-            raise AgentProtocolError(404, "ClusterNotFound", f"Cluster '{name}' does not exist.")
-
     @staticmethod
     def _token_row(session: Session, cluster_name: str, token: str) -> tuple[Cluster, Node] | None:
         """The cluster and the node whose node token this is (one row, not the cluster's node set:
@@ -125,11 +129,9 @@ class AgentService:
         """The cluster and the node whose node token is presented (ShuttingDown nodes included:
         a draining agent still calls)."""
         if not token:
-            self._cluster_exists(session, cluster_name)
             raise _missing_token("node token")
         row = self._token_row(session, cluster_name, token)
-        if row is None:
-            self._cluster_exists(session, cluster_name)
+        if row is None:  # a missing cluster has no node tokens: the same answer
             raise _not_a_node_token(cluster_name)
         return row
 
@@ -140,7 +142,6 @@ class AgentService:
         by its own node token. A node that is gone or ShuttingDown answers 404 whatever the token:
         that is how the agent of a deleted or replaced node (its token revoked) learns to stop."""
         if not token:
-            self._cluster_exists(session, cluster_name)
             raise _missing_token("node token")
         row = self._token_row(session, cluster_name, token)
         if row is not None and row[1].id == node_id and row[1].status != NodeStatus.SHUTTING_DOWN:
@@ -150,8 +151,7 @@ class AgentService:
             .join(Cluster, Node.cluster_id == Cluster.id)
             .where(Cluster.name == cluster_name, Node.id == node_id)
         ).scalar_one_or_none()
-        if status is None or status == NodeStatus.SHUTTING_DOWN:
-            self._cluster_exists(session, cluster_name)
+        if status is None or status == NodeStatus.SHUTTING_DOWN:  # a missing cluster's nodes too
             raise self._node_gone(cluster_name, node_id)
         if row is None:
             raise _not_a_node_token(cluster_name)
@@ -198,7 +198,7 @@ class AgentService:
         endpoint = check_endpoint(endpoint, loopback_only=self.config.local_agents)
         now = self.clock.now()
         with self.db.write() as session:
-            cluster = self._cluster(session, cluster_name, lock=True)
+            cluster = self._cluster_or_refusal(session, cluster_name, token, node_id)
             if node_id is not None:
                 node = self._launched_node(cluster, node_id, token)
             else:
@@ -233,6 +233,23 @@ class AgentService:
             }
         self.on_change()
         return answer
+
+    def _cluster_or_refusal(
+        self, session: Session, cluster_name: str, token: str | None, node_id: str | None
+    ) -> Cluster:
+        """The cluster a registration is for, locked; for a missing one, the refusal that an
+        existing cluster gives a caller without valid credentials (no token: 401; a node id: 404
+        NodeNotFound, as an unknown node; else 403, as a wrong bootstrap token)."""
+        try:
+            return self._cluster(session, cluster_name, lock=True)
+        except AgentProtocolError:
+            if not token:
+                raise _missing_token(
+                    "the node's launch secret" if node_id is not None else "bootstrap token"
+                ) from None
+            if node_id is not None:
+                raise self._node_gone(cluster_name, node_id) from None
+            raise _not_the_bootstrap_token() from None
 
     def _launched_node(self, cluster: Cluster, node_id: str, token: str | None) -> Node:
         """The node the local provisioner launched an agent for, if ``token`` is its launch secret."""

@@ -8,6 +8,11 @@ ranks it holds per step, as the primary copy or as a replica of another node's),
 that answered for the steps committed on S3 (``GET /v1/internal/s3-steps/{ns}``). An agent that
 does not answer is left out and named in ``unreachable``: its shards are missing from the view,
 though their replicas on other nodes still show.
+
+"Not on S3" and "S3 unreachable" are told apart: when no agent could list S3 (S3 itself is down,
+e.g. the embedded SeaweedFS restarting, or no agent answered), a namespace's steps say ``S3:
+null`` (unknown) and the namespace says why in ``S3Error``; ``S3: false`` only ever means that S3
+was listed and does not hold the step.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ class StepLocation:
     step: int
     memory: dict[int, str]  # rank -> the node holding its primary copy
     replica: dict[int, list[str]]  # rank -> the nodes holding a replica
-    on_s3: bool  # on S3: committed by the agents (its marker is there) or written whole by the trainer
+    # On S3: committed by the agents (its marker is there) or written whole by the trainer; None
+    # when S3 could not be listed (unknown, not "no").
+    on_s3: bool | None
     complete: bool  # every rank held in memory somewhere, or on S3
     s3_written_by: str | None = None  # "Agents" or "Trainer" (the library's own S3 writes), when on S3
 
@@ -67,12 +74,14 @@ class NamespaceCheckpoints:
     num_ranks: int
     steps_retained: int
     steps: list[StepLocation]  # newest first
+    s3_error: str | None = None  # why S3 could not be listed (then every step's on_s3 is None)
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "Namespace": self.namespace,
             "NumRanks": self.num_ranks,
             "StepsRetained": self.steps_retained,
+            **({"S3Error": self.s3_error} if self.s3_error is not None else {}),
             "Steps": [step.to_wire() for step in self.steps],
         }
 
@@ -99,6 +108,14 @@ class _Namespace:
 
 
 @dataclass(frozen=True)
+class _S3Listing:
+    """A namespace's steps on S3 -> who wrote them; or, when S3 could not be listed, why."""
+
+    steps: dict[int, str]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class _Index:
     """One agent's index of one namespace: step -> ranks."""
 
@@ -112,9 +129,7 @@ def _steps(doc: object) -> dict[int, list[int]]:
     return {int(step): [int(rank) for rank in ranks] for step, ranks in doc.items()}
 
 
-def _locate(
-    namespace: _Namespace, indexes: list[tuple[str, _Index]], s3_steps: dict[int, str]
-) -> NamespaceCheckpoints:
+def _locate(namespace: _Namespace, indexes: list[tuple[str, _Index]], s3: _S3Listing) -> NamespaceCheckpoints:
     """Merge the agents' indexes (in ring order: the first holder of a primary copy is named)."""
     memory: dict[int, dict[int, str]] = {}
     replica: dict[int, dict[int, list[str]]] = {}
@@ -126,21 +141,24 @@ def _locate(
             for rank in ranks:
                 replica.setdefault(step, {}).setdefault(rank, []).append(node_id)
     everyone = set(range(namespace.num_ranks))
+    s3_steps = s3.steps
     steps = []
     for step in sorted(set(memory) | set(replica) | set(s3_steps), reverse=True):
         held = set(memory.get(step, {})) | set(replica.get(step, {}))
-        on_s3 = step in s3_steps
+        on_s3 = None if s3.error is not None else step in s3_steps
         steps.append(
             StepLocation(
                 step=step,
                 memory=memory.get(step, {}),
                 replica=replica.get(step, {}),
                 on_s3=on_s3,
-                complete=on_s3 or everyone <= held,
+                complete=on_s3 is True or everyone <= held,
                 s3_written_by=s3_steps.get(step),
             )
         )
-    return NamespaceCheckpoints(namespace.name, namespace.num_ranks, namespace.steps_retained, steps)
+    return NamespaceCheckpoints(
+        namespace.name, namespace.num_ranks, namespace.steps_retained, steps, s3_error=s3.error
+    )
 
 
 class CheckpointCatalog:
@@ -180,9 +198,12 @@ class CheckpointCatalog:
         ]
         unreachable = [node_id for (node_id, _), found in zip(agents, answers, strict=True) if found is None]
         endpoints = [endpoint for (_, endpoint), _ in reachable]
-        s3_steps: list[dict[int, str]] = [{} for _ in namespaces]
+        s3_steps: list[_S3Listing] = [_S3Listing({}) for _ in namespaces]
         if has_s3 and endpoints:
             s3_steps = list(self._pool.map(lambda ns: self._s3_steps(endpoints, ns.name, token), namespaces))
+        elif has_s3:
+            nobody = _S3Listing({}, "S3 was not listed: no agent of the cluster answered")
+            s3_steps = [nobody for _ in namespaces]
         listed = [
             _locate(ns, [(node_id, found[ns.name]) for (node_id, _), found in reachable], on_s3)
             for ns, on_s3 in zip(namespaces, s3_steps, strict=True)
@@ -205,10 +226,12 @@ class CheckpointCatalog:
             return None
         return found
 
-    def _s3_steps(self, endpoints: list[str], name: str, token: str) -> dict[int, str]:
+    def _s3_steps(self, endpoints: list[str], name: str, token: str) -> _S3Listing:
         """The namespace's steps on S3 -> who wrote them (``Agents``: committed with a marker,
         ``Trainer``: the library wrote them whole), from the first agent that answers (every agent
-        of the cluster persists to the same place)."""
+        of the cluster persists to the same place); if none can (S3 is down: 503 S3Unavailable),
+        why."""
+        problems: list[str] = []
         for endpoint in endpoints:
             try:
                 with AgentConnection(
@@ -221,10 +244,22 @@ class CheckpointCatalog:
                 if answer.status == 200:
                     doc = answer.json()
                     trainer = {int(step) for step in doc.get("trainer", [])}
-                    return {
-                        int(step): WRITTEN_BY_TRAINER if int(step) in trainer else WRITTEN_BY_AGENTS
-                        for step in doc["steps"]
-                    }
-            except (AgentUnreachable, ValueError, KeyError, TypeError, AttributeError):
-                continue
-        return {}
+                    return _S3Listing(
+                        {
+                            int(step): WRITTEN_BY_TRAINER if int(step) in trainer else WRITTEN_BY_AGENTS
+                            for step in doc["steps"]
+                        }
+                    )
+                problems.append(f"{answer.status} {_message(answer.json())}")
+            except AgentUnreachable as exc:
+                problems.append(f"the agent at {endpoint} did not answer ({exc})")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                problems.append(f"the agent at {endpoint} answered off the contract")
+        return _S3Listing({}, "S3 could not be listed: " + "; ".join(dict.fromkeys(problems)))
+
+
+def _message(doc: object) -> str:
+    """An agent's error answer, in a few words."""
+    if isinstance(doc, dict):
+        return " ".join(str(doc[key]) for key in ("error", "message") if key in doc)[:500]
+    return str(doc)[:200]

@@ -501,6 +501,23 @@ class ClusterService:
 
     # ------------------------------------------------------------------ events
 
+    def record_s3_event(self, *, level: events.Level, description: str) -> list[str]:
+        """An event on every cluster whose checkpoints persist to this control plane's S3
+        endpoint (tiered storage on, an S3BaseUri in its checkpoint policy), e.g. that the
+        embedded S3 stopped or is back. Answers their names."""
+        with self.db.write() as session:
+            now = self.clock.now()
+            named = []
+            for cluster in session.scalars(select(Cluster).order_by(Cluster.name)):
+                tiered = (cluster.tiered_storage or {}).get("Mode") == "Enable"
+                if not tiered or CheckpointPolicy.from_stored(cluster.checkpoint_policy).s3_base_uri is None:
+                    continue
+                events.record(
+                    session, ids=self.ids, now=now, cluster=cluster, level=level, description=description
+                )
+                named.append(cluster.name)
+            return named
+
     def list_cluster_events(
         self,
         *,

@@ -41,6 +41,7 @@ from hyperpod_sim.domain.provisioning import ExternalProvisioner, Provisioner, S
 from hyperpod_sim.infra.processes import (
     Pidfile,
     agent_processes,
+    inherited_environment,
     signal_group,
     spawn,
     start_time,
@@ -49,6 +50,29 @@ from hyperpod_sim.infra.processes import (
 from hyperpod_sim.models import Cluster, Node
 
 log = logging.getLogger(__name__)
+
+
+# What an agent inherits from the control plane's environment, beyond the base of every child
+# (PATH, HOME, LANG/LC_*, TMPDIR, ...: infra/processes.py): what runs Python and finds this package,
+# the agent's own settings (HPSIM_AGENT_*, agents/config.py: no other HPSIM_ setting is the
+# agent's), and its S3 client's (AWS_*: the boto3 chain of the S3 tier; proxies and CA bundles).
+# Never HPSIM_AUTH__*, HPSIM_DATABASE__* or another variable of serve's (docs/security.md).
+AGENT_ENV_NAMES = frozenset(
+    {
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "VIRTUAL_ENV",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        *(name for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY") for name in (proxy, proxy.lower())),
+    }
+)
+AGENT_ENV_PREFIXES = ("HPSIM_AGENT_", "AWS_")
+
+
+def agent_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of the control plane's environment ``environ`` that its agents get."""
+    return inherited_environment(environ, names=AGENT_ENV_NAMES, prefixes=AGENT_ENV_PREFIXES)
 
 
 @dataclass
@@ -78,8 +102,8 @@ class LocalProvisioner:
     heartbeat_interval_s: float
     shm_root: Path = Path("/dev/shm/hpsim")
     kill_grace_s: float = 60.0
-    # Variables every agent gets on top of the control plane's environment (the credentials of
-    # the embedded S3 endpoint).
+    # Variables every agent gets on top of what it inherits (agent_environment): the credentials of
+    # the embedded S3 endpoint.
     agent_env: Mapping[str, str] = field(default_factory=dict)
     uses_agents: bool = True
     owns_agents: bool = True
@@ -119,7 +143,7 @@ class LocalProvisioner:
         # process's stops working). It travels in the environment, not on the command line that
         # `ps` shows to every user; the database keeps only its digest.
         secret = credentials.bind_launch_secret(node)
-        env = {**os.environ, **self.agent_env, "HPSIM_AGENT_TOKEN": secret}
+        env = {**agent_environment(os.environ), **self.agent_env, "HPSIM_AGENT_TOKEN": secret}
         process = spawn(argv, env=env, log_path=agent_dir / "agent.log")
         pidfile = Pidfile(
             pid=process.pid,

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +99,24 @@ def command_line(pid: int) -> list[str] | None:
     except OSError:
         return None
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+# What every child of the control plane may inherit from its environment: how to run a program and
+# where its temporary files and locale are. Nothing else passes unless the child's own allow-list
+# names it (infra/local.py's agents, seaweedfs.py's weed): serve's environment holds its secrets
+# (HPSIM_AUTH__*, a database URL with its password), and no child needs them (docs/security.md).
+BASE_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TMPDIR", "TZ", "LD_LIBRARY_PATH"})
+BASE_ENV_PREFIXES = ("LC_",)
+
+
+def inherited_environment(
+    environ: Mapping[str, str], *, names: Collection[str] = (), prefixes: Sequence[str] = ()
+) -> dict[str, str]:
+    """The variables of ``environ`` a child gets: BASE_ENV_NAMES and ``names``, and those that
+    start with one of BASE_ENV_PREFIXES or ``prefixes``; no other."""
+    allowed = BASE_ENV_NAMES | frozenset(names)
+    starts = (*BASE_ENV_PREFIXES, *prefixes)
+    return {key: value for key, value in environ.items() if key in allowed or key.startswith(starts)}
 
 
 def spawn(

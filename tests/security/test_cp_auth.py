@@ -214,6 +214,80 @@ def test_a_payload_hash_that_does_not_match_the_body_is_refused(control_plane: C
     )
 
 
+class _SignsOnly(SigV4Auth):
+    """botocore's signer, signing only ``names`` (and the date it adds): a lax client's signature."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__(Credentials(USER, USER_SECRET), "sagemaker", "us-east-1")
+        self.names = names
+
+    def headers_to_sign(self, request: AWSRequest) -> Any:
+        chosen = super().headers_to_sign(request)
+        for name in list(chosen.keys()):
+            if name.lower() not in (*self.names, "x-amz-date"):
+                del chosen[name]
+        return chosen
+
+
+def lax_request(url: str, target: str, body: dict[str, Any], *, signs: tuple[str, ...]) -> AWSRequest:
+    request = AWSRequest(
+        method="POST",
+        url=url + "/",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/x-amz-json-1.1", "X-Amz-Target": f"SageMaker.{target}"},
+    )
+    _SignsOnly(signs).add_auth(request)
+    return request
+
+
+def test_a_captured_request_resent_with_another_target_is_refused(control_plane: ControlPlane) -> None:
+    """Issue 23 (c): a DescribeCluster whose signature left X-Amz-Target out, captured and resent
+    at once with the target of DeleteCluster, deleted the cluster."""
+    sm = client(control_plane, USER, USER_SECRET)
+    sm.create_cluster(ClusterName="kept", InstanceGroups=[group()])
+    control_plane.settle(sm, "kept")
+    captured = lax_request(control_plane.url, "DescribeCluster", {"ClusterName": "kept"}, signs=("host",))
+    captured.headers.replace_header("X-Amz-Target", "SageMaker.DeleteCluster")
+    response = send(captured)
+    assert (response.status_code, response.json()) == (
+        400,
+        {
+            "__type": "IncompleteSignature",
+            "message": "'Content-Type' must be a 'SignedHeader' in the AWS Authorization. "
+            "'X-Amz-Target' must be a 'SignedHeader' in the AWS Authorization.",
+        },
+    )
+    assert sm.describe_cluster(ClusterName="kept")["ClusterStatus"] == "InService"
+
+
+@pytest.mark.parametrize(
+    ("signs", "unsigned"),
+    [(("host", "x-amz-target"), "Content-Type"), (("host", "content-type"), "X-Amz-Target")],
+)
+def test_a_call_that_does_not_sign_its_target_and_content_type_is_refused(
+    control_plane: ControlPlane, signs: tuple[str, ...], unsigned: str
+) -> None:
+    client(control_plane, USER, USER_SECRET).create_cluster(ClusterName="seen", InstanceGroups=[group()])
+    request = lax_request(control_plane.url, "DescribeCluster", {"ClusterName": "seen"}, signs=signs)
+    assert f"SignedHeaders={';'.join(sorted((*signs, 'x-amz-date')))}," in request.headers["Authorization"]
+    response = send(request)
+    assert (response.status_code, response.json()) == (
+        400,
+        {
+            "__type": "IncompleteSignature",
+            "message": f"'{unsigned}' must be a 'SignedHeader' in the AWS Authorization.",
+        },
+    )
+    # Signed whole, the same call is served.
+    everything = lax_request(
+        control_plane.url,
+        "DescribeCluster",
+        {"ClusterName": "seen"},
+        signs=("host", "content-type", "x-amz-target"),
+    )
+    assert send(everything).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("authorization", "message"),
     [

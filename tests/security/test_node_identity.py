@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from hyperpod_sim.infra.processes import find_agent_pids
-from tests.conftest import ControlPlane, free_port, node_token, wait_for
+from tests.conftest import ControlPlane, free_port, group, node_token, wait_for
 from tests.helpers import bearer
 from tests.test_agents_integration import create_tiered, event_texts, nodes
 from tests.test_memory_tier import create_namespace, get, put, replicated, url
@@ -159,3 +159,45 @@ def test_a_replaced_nodes_credentials_are_refused(agent_plane: ControlPlane, sm:
     assert get(url(by_id[replacement]), "job", 0, 1).content == data
     assert get(url(by_id[keeper]), "job", 0, 1).content == data
     assert "forged" not in event_texts(sm, "swap")
+
+
+def test_a_caller_without_credentials_cannot_tell_a_missing_cluster_from_an_existing_one(
+    control_plane: ControlPlane,
+) -> None:
+    """Issue 23 (e): ``/agent/v1`` is open to anyone who reaches the port, and without a token it
+    answered 401 for an existing cluster and 404 for a missing one: a list of cluster names could
+    be checked without any credential. Every route now answers the two alike, without a token and
+    with a forged one."""
+    control_plane.client().create_cluster(ClusterName="present", InstanceGroups=[group()])
+    stranger = "i-0123456789abcdef0"  # a node id of neither cluster
+    routes: list[tuple[str, str, dict[str, Any] | None]] = [
+        ("GET", "/members", None),
+        ("GET", "/namespaces", None),
+        ("GET", "/namespaces/job", None),
+        ("POST", "/namespaces/job", {"num_ranks": 2, "steps_retained": 1}),
+        ("DELETE", "/namespaces/job", None),
+        ("POST", "/namespaces-reset", None),
+        ("POST", "/events", {"level": "Info", "message": "hello"}),
+        ("POST", f"/nodes/{stranger}/heartbeat", {"applied_generation": 1}),
+        ("GET", f"/nodes/{stranger}/policy", None),
+        ("POST", "/register", {"endpoint": "http://127.0.0.1:9", "pid": 1}),
+        ("POST", "/register", {"endpoint": "http://127.0.0.1:9", "pid": 1, "node_id": stranger}),
+    ]
+    for token in (None, "forged-token"):
+        for method, path, body in routes:
+            answers = [
+                httpx.request(
+                    method,
+                    f"{control_plane.url}/agent/v1/clusters/{name}{path}",
+                    json=body,
+                    headers=bearer(token),
+                    timeout=10,
+                )
+                for name in ("present", "absent")
+            ]
+            present, absent = (
+                (a.status_code, a.text.replace(name, "NAME"))
+                for a, name in zip(answers, ("present", "absent"), strict=True)
+            )
+            assert present == absent, (method, path, token, present, absent)
+            assert present[0] in (401, 403, 404), (method, path, token, present)
