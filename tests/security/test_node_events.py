@@ -17,7 +17,12 @@ from tests.conftest import ControlPlane, free_port, wait_for
 from tests.helpers import bearer
 from tests.test_agents_integration import create_tiered, nodes, start_agent
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+# The joined node never heartbeats: a 3 s heartbeat timeout would fail it (and revoke its token)
+# while the real agent starts on a loaded machine; nothing here is about failure detection.
+pytestmark = [
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+    pytest.mark.patient_heartbeats,
+]
 
 
 @pytest.fixture
