@@ -18,7 +18,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, selectinload
 
 from hyperpod_sim.contracts.limits import MAX_EVENT_MESSAGE, MAX_RANKS
-from hyperpod_sim.domain import credentials, events
+from hyperpod_sim.domain import credentials, events, recovery
 from hyperpod_sim.domain.agent_inputs import check_endpoint, check_s3_status
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
 from hyperpod_sim.domain.clock import Clock, Ids
@@ -206,6 +206,7 @@ class AgentService:
             if node.status == NodeStatus.FAILURE:
                 events.move(session, node, NodeStatus.PENDING, ids=self.ids, now=now)
                 node.status_message = None
+            recovery.registered(node)
             events.record(
                 session,
                 ids=self.ids,
