@@ -314,3 +314,46 @@ def test_adoption_at_start(
         "The control plane started: the agent of 1 node kept running and were adopted; the agent of 1 "
         "node were started again on their nodes (same node ids, same shared-memory directories)."
     ) in descriptions(db, "one")
+
+
+def test_a_failed_start_is_tried_again_with_a_backoff_that_a_restart_resumes(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    missing = FileNotFoundError(2, "No such file or directory")
+    provisioner = FakeProvisioner(uses_agents=True, launch_errors=[missing] * 4)
+    reconciler = make_reconciler(db, clock, ids, provisioner, start_attempts=4)
+    service.create_cluster(name="one", instance_groups=[group("a", 1)], orchestrator=EKS)
+    cluster_id = load(db, "one").id
+    reconciler.reconcile(cluster_id)
+    (node,) = load(db, "one").nodes
+    assert (node.status, node.start_failures) == ("Pending", 1)
+    assert node.next_start_at == clock.now() + timedelta(seconds=1)
+    assert node.status_message == (
+        "Its agent could not be started: [Errno 2] No such file or directory (attempt 1 of 4); "
+        "starting it again in 1 s."
+    )
+    # A restarted control plane (a new reconciler on the same database) resumes the backoff: no
+    # start before it is over, nor a failure for the node's silence.
+    for delay in (1, 2):
+        reconciler = make_reconciler(db, clock, ids, provisioner, start_attempts=4)
+        outcome = reconciler.reconcile(cluster_id)
+        assert provisioner.launched == [node.id] * delay
+        assert outcome.due == load(db, "one").nodes[0].next_start_at
+        clock.advance(delay)
+        reconciler.reconcile(cluster_id)
+        assert provisioner.launched == [node.id] * (delay + 1)
+    assert load(db, "one").nodes[0].next_start_at == clock.now() + timedelta(seconds=4)
+    clock.advance(4)
+    reconciler.reconcile(cluster_id)
+    (node,) = load(db, "one").nodes
+    assert node.status == "Failure"
+    assert node.status_message == (
+        "Node failed: its agent could not be started: [Errno 2] No such file or directory (attempt 4 of 4)."
+    )
+    assert node.failed_in_a_row == 1  # it never registered: its slot's first failure in a row
+    texts = descriptions(db, "one")
+    assert [t for t in texts if "starting it again" in t] == [
+        f"Node {node.id}: its agent could not be started: [Errno 2] No such file or directory "
+        f"(attempt {n} of 4); starting it again in {d} s."
+        for n, d in ((1, 1), (2, 2), (3, 4))
+    ]

@@ -6,7 +6,7 @@ number of times: hyperpod_sim/domain/recovery.py), silent nodes failed, failed n
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -58,6 +58,8 @@ class NodeHealth:
             if n.status in (NodeStatus.PENDING, NodeStatus.RUNNING)
             and n.endpoint
             and n.pending_action is None
+            # One whose restart could not be spawned waits for its next start (retry_starts).
+            and n.next_start_at is None
         ]
         exited = self.provisioner.exited_agents([n.id for n in candidates])
         if exited is None:
@@ -93,10 +95,14 @@ class NodeHealth:
             outcome.changed = True
         return outcome
 
-    def retry_starts(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
+    def retry_starts(
+        self, session: Session, cluster: Cluster, now: datetime, *, launching: Collection[str]
+    ) -> Outcome:
         """Start again the agents whose last start failed, once their backoff is over; count an
         agent that exited before it registered as a failed start (hyperpod_sim/domain/recovery.py).
-        ``restart_pending``: the nodes waiting for their next attempt, not failed for their silence."""
+        ``launching``: the nodes whose agent this pass starts already (a rebooted node's old agent
+        has exited, and that is no failed start). ``restart_pending``: the nodes waiting for their
+        next attempt, not failed for their silence."""
         outcome = Outcome()
         unregistered = [
             n
@@ -105,6 +111,7 @@ class NodeHealth:
             and n.endpoint is None
             and n.pending_action is None
             and n.next_start_at is None
+            and n.id not in launching
         ]
         exited = self.provisioner.exited_agents([n.id for n in unregistered]) if unregistered else None
         lost = faults.lost_nodes(cluster)
@@ -117,7 +124,9 @@ class NodeHealth:
         for node in cluster.nodes:
             if node.next_start_at is None or node.status in (NodeStatus.FAILURE, *LEAVING):
                 continue
-            if now >= node.next_start_at:
+            if node.id in launching:
+                pass  # started by this pass already
+            elif now >= node.next_start_at:
                 outcome.launches.append(node.id)  # _launch_agents clears next_start_at once it starts
                 outcome.changed = True
             else:

@@ -269,7 +269,7 @@ class Reconciler:
         if self.provisioner.uses_agents:
             restarts = self.health.restart_crashed_agents(session, cluster, now)
             outcome.merge(restarts)
-            starts = self.health.retry_starts(session, cluster, now)
+            starts = self.health.retry_starts(session, cluster, now, launching=set(outcome.launches))
             outcome.merge(starts)
             outcome.merge(
                 self.health.detect_failures(
@@ -512,11 +512,13 @@ class Reconciler:
             # A node lost to a NodeLoss fault stays lost (the heartbeat timeout fails it), as when
             # its agent crashes (_restart_crashed_agents).
             lost = {node_id for node in nodes for node_id in faults.lost_nodes(node.cluster)}
+            # A node whose last start failed is started when its backoff is over (retry_starts).
             nodes = [
                 node
                 for node in nodes
                 if node.id not in lost
                 and (node.status != NodeStatus.DETACH_IN_PROGRESS or node.id in running)
+                and (node.next_start_at is None or node.id in running)
             ]
             what = {node.id: "adopted" if node.id in running else "started again" for node in nodes}
             by_cluster: dict[str, list[str]] = {}

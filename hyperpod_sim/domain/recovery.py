@@ -96,13 +96,14 @@ def stop(session: Session, cluster: Cluster, node: Node, now: datetime, *, ids: 
     if group is None or group.status == GroupStatus.DELETING:
         return False
     cause = (node.status_message or "").removeprefix(FAILED_PREFIX).rstrip(".")
-    creating = cluster.status == ClusterStatus.CREATING
+    # A cluster whose creation cannot finish is Failed: nothing but DeleteCluster is left to it.
+    failed = cluster.status in (ClusterStatus.CREATING, ClusterStatus.FAILED)
     message = (
         f"Automatic node recovery of instance group '{group.name}' stopped: the node in its slot "
         f"{node.slot} failed before its agent registered {node.failed_in_a_row} times in a row "
         f"({limit} replacements), the last time {node.id}: {cause}."
     )
-    if not creating:
+    if not failed:
         message += (
             " UpdateCluster naming the group, or BatchReplaceClusterNodes of its failed nodes, resumes it."
         )
@@ -110,8 +111,9 @@ def stop(session: Session, cluster: Cluster, node: Node, now: datetime, *, ids: 
     cluster.failure_message = failure_message(cluster)
     kept = "Not replaced: the automatic recovery of its group stopped."
     node.status_message = f"{node.status_message} {kept}" if node.status_message else kept
-    if creating:
+    if group.status == GroupStatus.CREATING:
         events.move(session, group, GroupStatus.FAILED, ids=ids, now=now)
+    if cluster.status == ClusterStatus.CREATING:
         events.move(
             session,
             cluster,
