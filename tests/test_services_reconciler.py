@@ -357,3 +357,41 @@ def test_a_failed_start_is_tried_again_with_a_backoff_that_a_restart_resumes(
         f"(attempt {n} of 4); starting it again in {d} s."
         for n, d in ((1, 1), (2, 2), (3, 4))
     ]
+
+
+def test_an_update_whose_new_nodes_cannot_start_ends_in_service_saying_why(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    provisioner = FakeProvisioner(uses_agents=True)
+    reconciler = make_reconciler(db, clock, ids, provisioner, start_attempts=1, replace_limit=1)
+    service.create_cluster(name="one", instance_groups=[group("a", 1)], orchestrator=EKS)
+    reconciler.run_once()
+    registered(db, "one", clock, acked=100)  # current with every generation to come
+    reconciler.run_once()
+    assert load(db, "one").status == ClusterStatus.IN_SERVICE
+    provisioner.launch_errors = [PermissionError(13, "Permission denied")] * 10
+    service.update_cluster(name="one", instance_groups=[group("a", 2)])
+    reconciler.run_once()
+    cluster = load(db, "one")
+    # The new node failed, its replacement too (replace_limit 1): the group keeps the failed one
+    # and the update ends, InService, saying why.
+    assert len(provisioner.launched) == 3
+    assert (cluster.status, cluster.instance_groups[0].status) == ("InService", "InService")
+    assert sorted(n.status for n in cluster.nodes) == ["Failure", "Running"]
+    assert cluster.failure_message == (
+        "Automatic node recovery of instance group 'a' stopped: the node in its slot 1 failed before "
+        f"its agent registered 2 times in a row (1 replacement), the last time {provisioner.launched[-1]}: "
+        "its agent could not be started: [Errno 13] Permission denied (attempt 1 of 1). UpdateCluster "
+        "naming the group, or BatchReplaceClusterNodes of its failed nodes, resumes it."
+    )
+    assert cluster.failure_message in descriptions(db, "one")
+    reconciler.run_once()
+    assert len(provisioner.launched) == 3  # stopped: nothing more is launched
+    provisioner.launch_errors = []
+    service.update_cluster(name="one", instance_groups=[group("a", 2)])
+    reconciler.run_once()
+    cluster = load(db, "one")
+    assert cluster.failure_message is None
+    assert len(provisioner.launched) == 4
+    assert sorted(n.status for n in cluster.nodes) == ["Pending", "Running"]
+    assert "Automatic node recovery of instance group 'a' resumes (UpdateCluster)." in descriptions(db, "one")

@@ -101,7 +101,7 @@ def stop(session: Session, cluster: Cluster, node: Node, now: datetime, *, ids: 
     message = (
         f"Automatic node recovery of instance group '{group.name}' stopped: the node in its slot "
         f"{node.slot} failed before its agent registered {node.failed_in_a_row} times in a row "
-        f"({limit} replacements), the last time {node.id}: {cause}."
+        f"({limit} replacement{'' if limit == 1 else 's'}), the last time {node.id}: {cause}."
     )
     if not failed:
         message += (
