@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, selectinload
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.clusters import ClusterService
 from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus
+from hyperpod_sim.domain.node_operations import NodeOperations
 from hyperpod_sim.domain.outcome import Outcome
 from hyperpod_sim.domain.pushes import claim_pushes
 from hyperpod_sim.domain.reconciler import Reconciler
@@ -359,9 +360,11 @@ def test_a_failed_start_is_tried_again_with_a_backoff_that_a_restart_resumes(
     ]
 
 
-def test_an_update_whose_new_nodes_cannot_start_ends_in_service_saying_why(
+def stopped_update(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
-) -> None:
+) -> tuple[Reconciler, FakeProvisioner]:
+    """An InService cluster of one node updated to two, whose new nodes cannot start (launches
+    raise EACCES; start_attempts 1, replace_limit 1), reconciled until its group's recovery stops."""
     provisioner = FakeProvisioner(uses_agents=True)
     reconciler = make_reconciler(db, clock, ids, provisioner, start_attempts=1, replace_limit=1)
     service.create_cluster(name="one", instance_groups=[group("a", 1)], orchestrator=EKS)
@@ -372,6 +375,13 @@ def test_an_update_whose_new_nodes_cannot_start_ends_in_service_saying_why(
     provisioner.launch_errors = [PermissionError(13, "Permission denied")] * 10
     service.update_cluster(name="one", instance_groups=[group("a", 2)])
     reconciler.run_once()
+    return reconciler, provisioner
+
+
+def test_an_update_whose_new_nodes_cannot_start_ends_in_service_saying_why(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    reconciler, provisioner = stopped_update(service, db, clock, ids)
     cluster = load(db, "one")
     # The new node failed, its replacement too (replace_limit 1): the group keeps the failed one
     # and the update ends, InService, saying why.
@@ -395,3 +405,19 @@ def test_an_update_whose_new_nodes_cannot_start_ends_in_service_saying_why(
     assert len(provisioner.launched) == 4
     assert sorted(n.status for n in cluster.nodes) == ["Pending", "Running"]
     assert "Automatic node recovery of instance group 'a' resumes (UpdateCluster)." in descriptions(db, "one")
+
+
+def test_replacing_the_failed_node_resumes_its_groups_recovery(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    reconciler, provisioner = stopped_update(service, db, clock, ids)
+    failed = next(n for n in load(db, "one").nodes if n.status == NodeStatus.FAILURE)
+    provisioner.launch_errors = []
+    by_id, _ = NodeOperations(db=db, clock=clock, ids=ids).batch_replace(name="one", node_ids=[failed.id])
+    assert by_id.successful == [failed.id]
+    reconciler.run_once()
+    cluster = load(db, "one")
+    assert cluster.failure_message is None
+    assert sorted(n.status for n in cluster.nodes) == ["Pending", "Running"]
+    texts = descriptions(db, "one")
+    assert "Automatic node recovery of instance group 'a' resumes (BatchReplaceClusterNodes)." in texts
