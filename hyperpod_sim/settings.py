@@ -61,6 +61,21 @@ class ProvisioningSettings(BaseModel):
         "same shared memory), as a kubelet restarts a daemon, instead of letting the node fail after "
         "heartbeat_timeout_s. A node lost by a NodeLoss fault is never restarted.",
     )
+    start_attempts: int = Field(
+        default=4,
+        ge=1,
+        description="local mode: starts of a node's agent that may fail in a row (it cannot be spawned: "
+        "a missing or non-executable agent command; or it exits before it registers) before the node "
+        "fails; each is tried again after 1 s, doubling up to 30 s.",
+    )
+    replace_limit: int = Field(
+        default=3,
+        ge=0,
+        description="NodeRecovery Automatic: replacements in a row of a slot's node that failed before "
+        "its agent registered; at the next such failure the automatic recovery of its group stops "
+        "(a cluster event and its FailureMessage say why; a Creating cluster is Failed) until "
+        "UpdateCluster names the group or BatchReplaceClusterNodes replaces one of its nodes.",
+    )
     agent_command: list[str] = Field(
         default_factory=lambda: [sys.executable, "-m", "hyperpod_sim", "agent"],
         description="local mode: the command that starts an agent (flags are appended).",

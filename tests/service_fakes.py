@@ -36,9 +36,13 @@ class FakeProvisioner:
     exited: set[str] = field(default_factory=set)
     adoptable: set[str] = field(default_factory=set)
     adopt_calls: list[tuple[set[str], set[str]]] = field(default_factory=list)
+    # What the next launches raise, in turn (an agent command that cannot be spawned).
+    launch_errors: list[OSError] = field(default_factory=list)
 
     def launch(self, cluster: Cluster, node: Node) -> None:
         self.launched.append(node.id)
+        if self.launch_errors:
+            raise self.launch_errors.pop(0)
 
     def terminate(self, node: Node) -> None:
         self.terminated.append(node.id)

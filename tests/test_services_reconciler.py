@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, selectinload
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.clusters import ClusterService
 from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus
+from hyperpod_sim.domain.node_operations import NodeOperations
 from hyperpod_sim.domain.outcome import Outcome
 from hyperpod_sim.domain.pushes import claim_pushes
 from hyperpod_sim.domain.reconciler import Reconciler
@@ -314,3 +315,109 @@ def test_adoption_at_start(
         "The control plane started: the agent of 1 node kept running and were adopted; the agent of 1 "
         "node were started again on their nodes (same node ids, same shared-memory directories)."
     ) in descriptions(db, "one")
+
+
+def test_a_failed_start_is_tried_again_with_a_backoff_that_a_restart_resumes(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    missing = FileNotFoundError(2, "No such file or directory")
+    provisioner = FakeProvisioner(uses_agents=True, launch_errors=[missing] * 4)
+    reconciler = make_reconciler(db, clock, ids, provisioner, start_attempts=4)
+    service.create_cluster(name="one", instance_groups=[group("a", 1)], orchestrator=EKS)
+    cluster_id = load(db, "one").id
+    reconciler.reconcile(cluster_id)
+    (node,) = load(db, "one").nodes
+    assert (node.status, node.start_failures) == ("Pending", 1)
+    assert node.next_start_at == clock.now() + timedelta(seconds=1)
+    assert node.status_message == (
+        "Its agent could not be started: [Errno 2] No such file or directory (attempt 1 of 4); "
+        "starting it again in 1 s."
+    )
+    # A restarted control plane (a new reconciler on the same database) resumes the backoff: no
+    # start before it is over, nor a failure for the node's silence.
+    for delay in (1, 2):
+        reconciler = make_reconciler(db, clock, ids, provisioner, start_attempts=4)
+        outcome = reconciler.reconcile(cluster_id)
+        assert provisioner.launched == [node.id] * delay
+        assert outcome.due == load(db, "one").nodes[0].next_start_at
+        clock.advance(delay)
+        reconciler.reconcile(cluster_id)
+        assert provisioner.launched == [node.id] * (delay + 1)
+    assert load(db, "one").nodes[0].next_start_at == clock.now() + timedelta(seconds=4)
+    clock.advance(4)
+    reconciler.reconcile(cluster_id)
+    (node,) = load(db, "one").nodes
+    assert node.status == "Failure"
+    assert node.status_message == (
+        "Node failed: its agent could not be started: [Errno 2] No such file or directory (attempt 4 of 4)."
+    )
+    assert node.failed_in_a_row == 1  # it never registered: its slot's first failure in a row
+    texts = descriptions(db, "one")
+    assert [t for t in texts if "starting it again" in t] == [
+        f"Node {node.id}: its agent could not be started: [Errno 2] No such file or directory "
+        f"(attempt {n} of 4); starting it again in {d} s."
+        for n, d in ((1, 1), (2, 2), (3, 4))
+    ]
+
+
+def stopped_update(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> tuple[Reconciler, FakeProvisioner]:
+    """An InService cluster of one node updated to two, whose new nodes cannot start (launches
+    raise EACCES; start_attempts 1, replace_limit 1), reconciled until its group's recovery stops."""
+    provisioner = FakeProvisioner(uses_agents=True)
+    reconciler = make_reconciler(db, clock, ids, provisioner, start_attempts=1, replace_limit=1)
+    service.create_cluster(name="one", instance_groups=[group("a", 1)], orchestrator=EKS)
+    reconciler.run_once()
+    registered(db, "one", clock, acked=100)  # current with every generation to come
+    reconciler.run_once()
+    assert load(db, "one").status == ClusterStatus.IN_SERVICE
+    provisioner.launch_errors = [PermissionError(13, "Permission denied")] * 10
+    service.update_cluster(name="one", instance_groups=[group("a", 2)])
+    reconciler.run_once()
+    return reconciler, provisioner
+
+
+def test_an_update_whose_new_nodes_cannot_start_ends_in_service_saying_why(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    reconciler, provisioner = stopped_update(service, db, clock, ids)
+    cluster = load(db, "one")
+    # The new node failed, its replacement too (replace_limit 1): the group keeps the failed one
+    # and the update ends, InService, saying why.
+    assert len(provisioner.launched) == 3
+    assert (cluster.status, cluster.instance_groups[0].status) == ("InService", "InService")
+    assert sorted(n.status for n in cluster.nodes) == ["Failure", "Running"]
+    assert cluster.failure_message == (
+        "Automatic node recovery of instance group 'a' stopped: the node in its slot 1 failed before "
+        f"its agent registered 2 times in a row (1 replacement), the last time {provisioner.launched[-1]}: "
+        "its agent could not be started: [Errno 13] Permission denied (attempt 1 of 1). UpdateCluster "
+        "naming the group, or BatchReplaceClusterNodes of its failed nodes, resumes it."
+    )
+    assert cluster.failure_message in descriptions(db, "one")
+    reconciler.run_once()
+    assert len(provisioner.launched) == 3  # stopped: nothing more is launched
+    provisioner.launch_errors = []
+    service.update_cluster(name="one", instance_groups=[group("a", 2)])
+    reconciler.run_once()
+    cluster = load(db, "one")
+    assert cluster.failure_message is None
+    assert len(provisioner.launched) == 4
+    assert sorted(n.status for n in cluster.nodes) == ["Pending", "Running"]
+    assert "Automatic node recovery of instance group 'a' resumes (UpdateCluster)." in descriptions(db, "one")
+
+
+def test_replacing_the_failed_node_resumes_its_groups_recovery(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    reconciler, provisioner = stopped_update(service, db, clock, ids)
+    failed = next(n for n in load(db, "one").nodes if n.status == NodeStatus.FAILURE)
+    provisioner.launch_errors = []
+    by_id, _ = NodeOperations(db=db, clock=clock, ids=ids).batch_replace(name="one", node_ids=[failed.id])
+    assert by_id.successful == [failed.id]
+    reconciler.run_once()
+    cluster = load(db, "one")
+    assert cluster.failure_message is None
+    assert sorted(n.status for n in cluster.nodes) == ["Pending", "Running"]
+    texts = descriptions(db, "one")
+    assert "Automatic node recovery of instance group 'a' resumes (BatchReplaceClusterNodes)." in texts

@@ -65,6 +65,8 @@ def _reconciler_config(settings: Settings, s3_endpoint: S3Endpoint) -> Reconcile
         push_backoff_s=settings.reconciler.push_backoff_s,
         push_backoff_max_s=settings.reconciler.push_backoff_max_s,
         restart_agents=provisioning.restart_agents,
+        start_attempts=provisioning.start_attempts,
+        replace_limit=provisioning.replace_limit,
     )
 
 

@@ -28,7 +28,7 @@ from hyperpod_sim.contracts.limits import (
     namespace_name_problem,
     num_ranks_problem,
 )
-from hyperpod_sim.domain import credentials, events
+from hyperpod_sim.domain import credentials, events, recovery
 from hyperpod_sim.domain.agent_inputs import check_endpoint, check_s3_status
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
 from hyperpod_sim.domain.clock import Clock, Ids
@@ -215,6 +215,7 @@ class AgentService:
             if node.status == NodeStatus.FAILURE:
                 events.move(session, node, NodeStatus.PENDING, ids=self.ids, now=now)
                 node.status_message = None
+            recovery.registered(node)
             events.record(
                 session,
                 ids=self.ids,

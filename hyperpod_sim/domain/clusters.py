@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from hyperpod_sim.domain import cluster_rules, events, operations
+from hyperpod_sim.domain import cluster_rules, events, operations, recovery
 from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.cluster_reads import describe, get_cluster
@@ -293,6 +293,9 @@ class ClusterService:
                     events.move(session, current, GroupStatus.UPDATING, ids=self.ids, now=now)
             for group_name in to_delete:
                 events.move(session, existing[group_name], GroupStatus.DELETING, ids=self.ids, now=now)
+            # The user acted on these groups: a stopped automatic recovery resumes (domain/recovery.py).
+            named = [spec["InstanceGroupName"] for spec in [*groups, *restricted]]
+            recovery.resume(session, cluster, [*named, *to_delete], now, ids=self.ids, by="UpdateCluster")
             if node_recovery is not None:
                 cluster.node_recovery = node_recovery
             if orchestrator is not None:

@@ -75,7 +75,8 @@ CLUSTER_TRANSITIONS: dict[ClusterStatus, frozenset[ClusterStatus]] = {
 
 GROUP_TRANSITIONS: dict[GroupStatus, frozenset[GroupStatus]] = {
     # A new group is InService once its cluster is (every node Running with the current policy).
-    GroupStatus.CREATING: frozenset({GroupStatus.IN_SERVICE, GroupStatus.DELETING}),
+    # Failed with its cluster's creation, when its nodes cannot start (domain/recovery.py).
+    GroupStatus.CREATING: frozenset({GroupStatus.IN_SERVICE, GroupStatus.DELETING, GroupStatus.FAILED}),
     GroupStatus.IN_SERVICE: frozenset({GroupStatus.UPDATING, GroupStatus.DELETING}),
     GroupStatus.UPDATING: frozenset({GroupStatus.IN_SERVICE, GroupStatus.DELETING}),
     GroupStatus.DEGRADED: frozenset({GroupStatus.IN_SERVICE, GroupStatus.UPDATING, GroupStatus.DELETING}),

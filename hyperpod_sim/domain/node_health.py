@@ -1,19 +1,21 @@
 """The reconciler's watch over nodes with agents: crashed agents started again (with a backoff, as
-a kubelet restarts a daemon), silent nodes failed, failed nodes replaced (NodeRecovery: Automatic).
+a kubelet restarts a daemon), agents that could not start tried again (with a backoff, a bounded
+number of times: hyperpod_sim/domain/recovery.py), silent nodes failed, failed nodes replaced
+(NodeRecovery: Automatic) unless their slot's replacements keep failing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
-from hyperpod_sim.domain import credentials, events, faults
+from hyperpod_sim.domain import credentials, events, faults, recovery
 from hyperpod_sim.domain.clock import Ids
 from hyperpod_sim.domain.events import Level
-from hyperpod_sim.domain.lifecycle import GroupStatus, NodeStatus, bump_generation
+from hyperpod_sim.domain.lifecycle import LEAVING, GroupStatus, NodeStatus, bump_generation
 from hyperpod_sim.domain.nodes import fail_node, new_node
 from hyperpod_sim.domain.outcome import Outcome
 from hyperpod_sim.domain.provisioning import Provisioner
@@ -37,6 +39,10 @@ class NodeHealth:
     launch_timeout_s: float
     node_ready_delay_s: float
     restart_agents: bool
+    # Failed starts of a node's agent before its node fails; replacements in a row of a slot's
+    # nodes that failed before registering (hyperpod_sim/domain/recovery.py).
+    start_attempts: int = 4
+    replace_limit: int = 3
 
     def restart_crashed_agents(self, session: Session, cluster: Cluster, now: datetime) -> Outcome:
         """Start again the agent of a Pending or Running node whose agent process has gone (it
@@ -52,6 +58,8 @@ class NodeHealth:
             if n.status in (NodeStatus.PENDING, NodeStatus.RUNNING)
             and n.endpoint
             and n.pending_action is None
+            # One whose restart could not be spawned waits for its next start (retry_starts).
+            and n.next_start_at is None
         ]
         exited = self.provisioner.exited_agents([n.id for n in candidates])
         if exited is None:
@@ -87,6 +95,45 @@ class NodeHealth:
             outcome.changed = True
         return outcome
 
+    def retry_starts(
+        self, session: Session, cluster: Cluster, now: datetime, *, launching: Collection[str]
+    ) -> Outcome:
+        """Start again the agents whose last start failed, once their backoff is over; count an
+        agent that exited before it registered as a failed start (hyperpod_sim/domain/recovery.py).
+        ``launching``: the nodes whose agent this pass starts already (a rebooted node's old agent
+        has exited, and that is no failed start). ``restart_pending``: the nodes waiting for their
+        next attempt, not failed for their silence."""
+        outcome = Outcome()
+        unregistered = [
+            n
+            for n in cluster.nodes
+            if n.status == NodeStatus.PENDING
+            and n.endpoint is None
+            and n.pending_action is None
+            and n.next_start_at is None
+            and n.id not in launching
+        ]
+        exited = self.provisioner.exited_agents([n.id for n in unregistered]) if unregistered else None
+        lost = faults.lost_nodes(cluster)
+        for node in unregistered:
+            if exited is not None and node.id in exited and node.id not in lost:
+                recovery.start_failed(
+                    session, cluster, node, now, recovery.EXITED, ids=self.ids, attempts=self.start_attempts
+                )
+                outcome.changed = True
+        for node in cluster.nodes:
+            if node.next_start_at is None or node.status in (NodeStatus.FAILURE, *LEAVING):
+                continue
+            if node.id in launching:
+                pass  # started by this pass already
+            elif now >= node.next_start_at:
+                outcome.launches.append(node.id)  # _launch_agents clears next_start_at once it starts
+                outcome.changed = True
+            else:
+                outcome.note_due(node.next_start_at)
+            outcome.restart_pending.add(node.id)
+        return outcome
+
     def detect_failures(
         self,
         session: Session,
@@ -112,7 +159,16 @@ class NodeHealth:
             if reason is not None:
                 fail_node(session, cluster, node, now, reason, ids=self.ids)
                 outcome.changed = True
-            if node.status == NodeStatus.FAILURE and cluster.node_recovery == "Automatic":
+            if (
+                node.status == NodeStatus.FAILURE
+                and cluster.node_recovery == "Automatic"
+                and not recovery.stopped(cluster, node)
+            ):
+                if recovery.past_limit(node, self.replace_limit) and recovery.stop(
+                    session, cluster, node, now, ids=self.ids, limit=self.replace_limit
+                ):
+                    outcome.changed = True
+                    continue
                 self._replace(session, cluster, node, now, outcome)
                 replaced = True
                 outcome.changed = outcome.again = True
@@ -154,7 +210,8 @@ class NodeHealth:
     def _replace(
         self, session: Session, cluster: Cluster, node: Node, now: datetime, outcome: Outcome
     ) -> None:
-        """Shut a failed node down and launch its replacement in the same slot."""
+        """Shut a failed node down and launch its replacement in the same slot (which inherits the
+        slot's failures in a row)."""
         group = next((g for g in cluster.instance_groups if g.name == node.group_name), None)
         events.move(session, node, NodeStatus.SHUTTING_DOWN, ids=self.ids, now=now)
         # Its credentials die with it: the replacement registers with a secret of its own.
@@ -162,7 +219,14 @@ class NodeHealth:
         if group is None or group.status == GroupStatus.DELETING:
             return
         replacement = new_node(
-            session, cluster, group, now, ids=self.ids, ready_delay_s=self.node_ready_delay_s, slot=node.slot
+            session,
+            cluster,
+            group,
+            now,
+            ids=self.ids,
+            ready_delay_s=self.node_ready_delay_s,
+            slot=node.slot,
+            failed_in_a_row=node.failed_in_a_row,
         )
         outcome.launches.append(replacement.id)
         events.record(

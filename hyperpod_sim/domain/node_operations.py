@@ -33,7 +33,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
-from hyperpod_sim.domain import credentials, events, faults, move_nodes, operations
+from hyperpod_sim.domain import credentials, events, faults, move_nodes, operations, recovery
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.cluster_reads import locked_cluster
 from hyperpod_sim.domain.errors import ValidationException
@@ -177,6 +177,8 @@ class NodeOperations:
         )
 
     def _replace(self, session: Session, cluster: Cluster, node: Node, now: datetime) -> None:
+        # The user replaces a node of its group: a stopped automatic recovery resumes (domain/recovery.py).
+        recovery.resume(session, cluster, [node.group_name], now, ids=self.ids, by="BatchReplaceClusterNodes")
         node.status_message = "Replaced (BatchReplaceClusterNodes)."
         events.move(
             session,

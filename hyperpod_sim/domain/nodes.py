@@ -22,9 +22,11 @@ def new_node(
     ids: Ids,
     ready_delay_s: float,
     slot: int | None = None,
+    failed_in_a_row: int = 0,
 ) -> Node:
     """A Pending node in ``group`` (in ``slot``, or the lowest free one), with its event; its agent
-    starts once the transaction has committed."""
+    starts once the transaction has committed. ``failed_in_a_row``: its slot's nodes that failed
+    before their agent registered, in a row (hyperpod_sim/domain/recovery.py), for a replacement."""
     if slot is None:
         taken = {n.slot for n in cluster.nodes if n.group_name == group.name and n.status not in LEAVING}
         slot = next(i for i in range(len(taken) + 1) if i not in taken)
@@ -43,6 +45,8 @@ def new_node(
         private_ip=ids.private_ip(),
         acked_generation=0,
         push_attempts=0,
+        start_failures=0,
+        failed_in_a_row=failed_in_a_row,
     )
     cluster.nodes.append(node)
     events.record(
@@ -56,11 +60,17 @@ def new_node(
     return node
 
 
+FAILED_PREFIX = "Node failed: "
+
+
 def fail_node(
     session: Session, cluster: Cluster, node: Node, now: datetime, reason: str, *, ids: Ids
 ) -> None:
-    """Mark a node failed, with the reason in its status and an Error event."""
-    node.status_message = f"Node failed: {reason}."
+    """Mark a node failed, with the reason in its status and an Error event. One that failed before
+    its agent ever registered adds to its slot's failures in a row (hyperpod_sim/domain/recovery.py);
+    one whose agent did ends them."""
+    node.failed_in_a_row = node.failed_in_a_row + 1 if node.last_heartbeat is None else 0
+    node.status_message = f"{FAILED_PREFIX}{reason}."
     events.move(
         session,
         node,

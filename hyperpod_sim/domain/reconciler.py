@@ -22,12 +22,20 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from hyperpod_sim.domain import events, faults, health_checks, node_operations, operations, software_update
+from hyperpod_sim.domain import (
+    events,
+    faults,
+    health_checks,
+    node_operations,
+    operations,
+    recovery,
+    software_update,
+)
 from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.lifecycle import LEAVING, ClusterStatus, GroupStatus, NodeStatus, bump_generation
 from hyperpod_sim.domain.node_health import NodeHealth
-from hyperpod_sim.domain.nodes import fail_node, new_node
+from hyperpod_sim.domain.nodes import new_node
 from hyperpod_sim.domain.outcome import Outcome
 from hyperpod_sim.domain.provisioning import Provisioner
 from hyperpod_sim.domain.pushes import PolicyPusher, PushConfig, claim_pushes
@@ -51,6 +59,10 @@ class ReconcilerConfig:
     # Restart the crashed agent of a Pending or Running node (local provisioner), as a kubelet
     # restarts a daemon, instead of letting its node fail.
     restart_agents: bool = True
+    # Bounded failure loops (hyperpod_sim/domain/recovery.py): failed starts of a node's agent before
+    # its node fails, and replacements in a row of a slot's nodes that failed before registering.
+    start_attempts: int = 4
+    replace_limit: int = 3
 
 
 class Reconciler:
@@ -91,6 +103,8 @@ class Reconciler:
             launch_timeout_s=config.launch_timeout_s,
             node_ready_delay_s=config.node_ready_delay_s,
             restart_agents=config.restart_agents,
+            start_attempts=config.start_attempts,
+            replace_limit=config.replace_limit,
         )
         self._adopted = False
         # When this control plane came up: no node is failed for the silence before (its agent
@@ -255,13 +269,17 @@ class Reconciler:
         if self.provisioner.uses_agents:
             restarts = self.health.restart_crashed_agents(session, cluster, now)
             outcome.merge(restarts)
+            starts = self.health.retry_starts(session, cluster, now, launching=set(outcome.launches))
+            outcome.merge(starts)
             outcome.merge(
                 self.health.detect_failures(
                     session,
                     cluster,
                     now,
                     back=self._back_since(),
-                    restart_pending=restarts.restart_pending | reboots.restart_pending,
+                    restart_pending=(
+                        restarts.restart_pending | reboots.restart_pending | starts.restart_pending
+                    ),
                     started_again_and_silent=self._started_again_and_silent,
                 )
             )
@@ -355,7 +373,12 @@ class Reconciler:
                 outcome.changed = True
                 outcome.converged = False
             for node in nodes:
-                outcome.converged &= self._bring_up(session, cluster, node, now, outcome)
+                up = self._bring_up(session, cluster, node, now, outcome)
+                # A failed node that its group's stopped recovery keeps (domain/recovery.py) holds
+                # no update up: the cluster says why in its FailureMessage.
+                outcome.converged &= up or (
+                    node.status == NodeStatus.FAILURE and group.recovery_stopped is not None
+                )
         if any(n.status == NodeStatus.SHUTTING_DOWN for n in cluster.nodes):
             outcome.converged = False
             outcome.again = True
@@ -489,11 +512,13 @@ class Reconciler:
             # A node lost to a NodeLoss fault stays lost (the heartbeat timeout fails it), as when
             # its agent crashes (_restart_crashed_agents).
             lost = {node_id for node in nodes for node_id in faults.lost_nodes(node.cluster)}
+            # A node whose last start failed is started when its backoff is over (retry_starts).
             nodes = [
                 node
                 for node in nodes
                 if node.id not in lost
                 and (node.status != NodeStatus.DETACH_IN_PROGRESS or node.id in running)
+                and (node.next_start_at is None or node.id in running)
             ]
             what = {node.id: "adopted" if node.id in running else "started again" for node in nodes}
             by_cluster: dict[str, list[str]] = {}
@@ -524,7 +549,8 @@ class Reconciler:
             log.warning("could not record the control plane's start or stop: %s", exc.orig)
 
     def _launch_agents(self, cluster_id: str, node_ids: list[str]) -> None:
-        """Start agents for committed nodes; a node whose agent cannot start fails."""
+        """Start agents for committed nodes; a node whose agent cannot start is tried again after a
+        backoff, and fails after the last attempt (hyperpod_sim/domain/recovery.py)."""
         with self.db.write() as session:
             # Locked: an agent's registration (which locks it too) waits for its launch secret.
             cluster = session.get(Cluster, cluster_id, with_for_update=True)
@@ -535,7 +561,17 @@ class Reconciler:
                 try:
                     self.provisioner.launch(cluster, node)
                 except OSError as exc:
-                    fail_node(session, cluster, node, now, f"its agent could not start: {exc}", ids=self.ids)
+                    recovery.start_failed(
+                        session,
+                        cluster,
+                        node,
+                        now,
+                        f"its agent could not be started: {exc}",
+                        ids=self.ids,
+                        attempts=self.config.start_attempts,
+                    )
+                else:
+                    recovery.started(node)
 
 
 def _agents_of(count: int) -> str:

@@ -99,6 +99,9 @@ class InstanceGroup(Base):
     # SoftwareUpdateStatus of the group's last software update (domain/software_update.py),
     # kept until the next one; None: never updated.
     software_update_status: Mapped[str | None] = mapped_column(String(32))
+    # Why its automatic node recovery stopped (hyperpod_sim/domain/recovery.py: a slot's nodes kept
+    # failing before their agents registered); None: it replaces failed nodes (NodeRecovery Automatic).
+    recovery_stopped: Mapped[str | None] = mapped_column(Text)
 
     cluster: Mapped[Cluster] = relationship(back_populates="instance_groups")
 
@@ -136,6 +139,14 @@ class Node(Base):
     # the registration deadline of a restarted agent; persisted so a restarted control plane keeps them.
     agent_restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     agent_restarted_at: Mapped[datetime | None]
+    # Bounded failure loops (hyperpod_sim/domain/recovery.py), persisted so a restarted control plane
+    # resumes them: attempts to start its agent that failed since it last registered (it could not be
+    # spawned, or exited before registering), and when the next is due (None: none waits); how many of
+    # its slot's nodes in a row failed before their agent registered (this one too once it failed),
+    # handed on to its replacement.
+    start_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    next_start_at: Mapped[datetime | None]
+    failed_in_a_row: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # Credentials of the node's agent (domain/credentials.py): the digest of the launch secret the
     # local provisioner handed to the agent process it started (None: not bound, or consumed), the
     # digest of the node token registration answered, and the token the control plane pushes with.
