@@ -10,7 +10,8 @@ RUN pip install --no-cache-dir '.[server]'
 ENV HPSIM_HOST=0.0.0.0 \
     HPSIM_PORT=8080 \
     HPSIM_DATA_DIR=/data
-EXPOSE 8080
+# serve at 8080; `hyperpod-sim agent` at 9200 in compose and deploy/ (HyperPod's daemon port).
+EXPOSE 8080 9200
 VOLUME ["/data"]
 ENTRYPOINT ["hyperpod-sim"]
 CMD ["serve"]

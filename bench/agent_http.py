@@ -75,7 +75,7 @@ def touched_mmap(size: int) -> mmap.mmap:
 def agent_server(size: int, path: str, conn: multiprocessing.connection.Connection) -> None:
     import asyncio
 
-    from hyperpod_sim.agents.httpserver import FileBody, HttpServer, Request, Response, json_response
+    from hyperpod_sim.agents.http.server import FileBody, HttpServer, Request, Response, json_response
 
     pin(0)
     buffer = touched_mmap(size)

@@ -243,7 +243,7 @@ def start_hpsim(workdir: Path, settings: Mapping[str, str], name: str = HPSIM) -
     if "HPSIM_S3__ENDPOINT_URL" not in env and "HPSIM_S3__EMBEDDED_PORT" not in env:
         # serve embeds an S3 server on fixed default ports: another serve on this machine (a test
         # run, a second script) would hold them.
-        from hyperpod_sim.seaweedfs import free_embedded_port
+        from hyperpod_sim.serve.seaweedfs import free_embedded_port
 
         env["HPSIM_S3__EMBEDDED_PORT"] = str(free_embedded_port())
     cmd = [

@@ -72,8 +72,8 @@ def start_s3(kind: str, workdir: Path, deadline_s: float) -> S3Server:
         return S3Server(
             "moto", moto.endpoint, moto.proc.pid, dict(CREDENTIALS), moto.stop, f"moto {_version('moto')}"
         )
-    from hyperpod_sim.embedded_s3 import start_seaweedfs_s3
-    from hyperpod_sim.seaweedfs import free_embedded_port
+    from hyperpod_sim.serve.embedded_s3 import start_seaweedfs_s3
+    from hyperpod_sim.serve.seaweedfs import free_embedded_port
     from hyperpod_sim.settings import S3Settings
 
     settings = S3Settings(
@@ -120,8 +120,8 @@ def s3_client(endpoint: str) -> Any:
 
 
 def agent_objects(endpoint: str) -> Any:
-    """The agent's own S3 client (hyperpod_sim/agents/s3objects.py), in this process."""
-    from hyperpod_sim.agents.s3objects import S3Objects
+    """The agent's own S3 client (hyperpod_sim/agents/s3/objects.py), in this process."""
+    from hyperpod_sim.agents.s3.objects import S3Objects
 
     return S3Objects(endpoint_url=endpoint, region=REGION)
 

@@ -7,7 +7,7 @@ Usage::
 
 One S3 endpoint for everything, in its own process so that it shares a GIL with no other side:
 SeaweedFS by default (``--s3 seaweedfs``: ``weed mini`` as ``serve`` embeds it, through
-``hyperpod_sim.embedded_s3``, its data in the run's temp dir, its generated credentials enforced),
+``hyperpod_sim.serve.embedded_s3``, its data in the run's temp dir, its generated credentials enforced),
 or moto's S3 server (``--s3 moto``: ``python -m moto.server`` on a loopback port, keeping objects
 in memory: ``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``, 1 GiB unless set: its default spills every part
 over ~5 MiB to a temp file, and disk writeback made the times noisier). ``hyperpod-sim serve``
@@ -277,12 +277,12 @@ def render(
 
 def notes_of(args: argparse.Namespace, s3_server: S3Server) -> list[str]:
     """The notes printed under the tables (and kept in the JSON)."""
-    from hyperpod_sim.agents.s3objects import PART_BYTES, PART_THREADS
+    from hyperpod_sim.agents.s3.objects import PART_BYTES, PART_THREADS
 
     return [
         f"throughput: {BASELINE} = this process's upload_fileobj with boto3's defaults (8 MiB parts, 10 "
         f"threads, 10 pooled connections) of {args.ranks} object(s) of the size at once, one thread "
-        f"each; {AGENT_CODE} = the agent's upload code (agents/s3objects.py: {PART_BYTES // MIB} MiB "
+        f"each; {AGENT_CODE} = the agent's upload code (agents/s3/objects.py: {PART_BYTES // MIB} MiB "
         f"parts, {PART_THREADS} threads, {4 * PART_THREADS} connections, then a HEAD check) the same "
         f"way; {OURS} = the agent persisting a step of {args.ranks} data rank(s) and a "
         f"{len(METADATA)}-byte metadata rank (xxh3 check of each shard, the uploads, the commit marker) "
@@ -397,7 +397,7 @@ def json_payload(
     notes: list[str],
 ) -> dict[str, Any]:
     """The JSON's members beside ``target_ratios``."""
-    from hyperpod_sim.agents.s3objects import PART_BYTES, PART_THREADS
+    from hyperpod_sim.agents.s3.objects import PART_BYTES, PART_THREADS
 
     p50 = latency_ratio(latency, ON, "p50_s")
     return {

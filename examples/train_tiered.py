@@ -5,11 +5,13 @@ With the control plane running (``make run``), in another terminal::
     .venv/bin/python examples/train_tiered.py --ranks 2 --steps 40
 
 It creates (or reuses) a tiered-storage cluster with one node per rank, sets its checkpoint policy
-(S3 every ``--s3-every`` steps, in the embedded S3 by default), starts one process per rank
-(gloo on loopback), each talking to its own node's agent, and trains: a checkpoint to memory
-every ``--save-every`` steps with ``dcp.async_save`` (training goes on while it commits, is
-replicated and, on due steps, persisted to S3). Run it again and it resumes from the newest
-complete checkpoint, wherever it is held.
+(S3 every ``--s3-every`` steps, in the embedded S3 by default) and runs itself as a job on the
+cluster's nodes with ``hyperpod-sim job run --auto-resume`` (docs/jobs.md): one process per rank,
+on its node, talking to its node's agent, gloo between the nodes. Each rank trains and
+checkpoints to memory every ``--save-every`` steps with ``dcp.async_save`` (training goes on
+while it commits, is replicated and, on due steps, persisted to S3). When a rank fails
+(``--fail-at``) or its node is lost, the job restarts by itself and every rank resumes from the
+newest complete checkpoint, wherever it is held; so does a run started again.
 """
 
 from __future__ import annotations
@@ -72,39 +74,21 @@ def ensure_cluster(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
+    """Run the job on the cluster's nodes with ``hyperpod-sim job run``: one process per rank,
+    spread over ``--ranks`` nodes (or fewer nodes with several processes each), resumed by itself
+    after a failure (``--auto-resume``). The exit status is the job's."""
     urls = ensure_cluster(args)
-    port = args.master_port or _free_port()
-    procs = []
-    for rank in range(args.ranks):
-        env = {**os.environ, "HPSIM_AGENT_URL": urls[rank % len(urls)]}
-        argv = [sys.executable, __file__, "--rank", str(rank), "--master-port", str(port), *sys.argv[1:]]
-        procs.append(subprocess.Popen(argv, env=env))
-    # As torchrun does: when a rank dies, stop the others (they would wait in a collective).
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed or all(c == 0 for c in codes):
-            break
-        time.sleep(0.2)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return failed[0] if failed else 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    nodes = min(args.ranks, len(urls))
+    if args.ranks % nodes:
+        raise SystemExit(f"{args.ranks} ranks do not spread evenly over {nodes} nodes")
+    argv = [
+        sys.executable, "-m", "hyperpod_sim", "job", "run", "--endpoint-url", args.endpoint_url,
+        "--cluster", args.cluster, "--nodes", str(nodes), "--procs-per-node", str(args.ranks // nodes),
+    ]  # fmt: skip
+    if args.auto_resume:
+        argv += ["--auto-resume", "--max-restarts", str(args.max_restarts)]
+    argv += ["--", sys.executable, str(Path(__file__).resolve()), "--train", *sys.argv[1:]]
+    return subprocess.call(argv, cwd=ROOT)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -119,8 +103,10 @@ def train(args: argparse.Namespace) -> int:
         load_latest,
     )
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.master_port))
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.ranks)
+    # Everything about the job comes from the environment `job run` gives each rank, as torchrun's.
+    args.rank = int(os.environ["RANK"])
+    attempt = int(os.environ.get("HPSIM_JOB_ATTEMPT", "1"))
+    dist.init_process_group("gloo", init_method="env://", rank=args.rank, world_size=args.ranks)
     # Checkpoints get their own process group: async_save runs its collectives in a background
     # thread while training runs its own on the default group.
     checkpoint_group = dist.new_group(backend="gloo")
@@ -177,7 +163,7 @@ def train(args: argparse.Namespace) -> int:
                     f"checkpoint (training blocked {stalls[-1] * 1e3:.1f} ms)",
                     flush=True,
                 )
-        if args.fail_at is not None and step == args.fail_at:
+        if args.fail_at is not None and step == args.fail_at and attempt == 1:
             if args.rank == 0:
                 print(f"simulated failure at step {step}", flush=True)
             os._exit(3)  # no flush: whatever was not committed is lost, as in a crash
@@ -210,13 +196,21 @@ def main() -> int:
     parser.add_argument("--save-every", type=int, default=2, help="checkpoint to memory every N steps")
     parser.add_argument("--s3-every", type=int, default=10, help="persist to S3 every N steps")
     parser.add_argument("--s3-base", default="s3://hpsim-checkpoints", help="S3 base URI (bucket and prefix)")
-    parser.add_argument("--fail-at", type=int, help="every rank exits abruptly after this step")
+    parser.add_argument(
+        "--fail-at", type=int, help="every rank of the job's first attempt exits abruptly after this step"
+    )
+    parser.add_argument(
+        "--auto-resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart the job after a failure, from its newest checkpoint (default: on)",
+    )
+    parser.add_argument("--max-restarts", type=int, default=3, help="restarts at most (default 3)")
     parser.add_argument("--report", help="write each rank's summary to REPORT.<rank> (JSON)")
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--master-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # a rank, under job run
     args = parser.parse_args()
     args.nodes = args.nodes or args.ranks
-    return train(args) if args.rank is not None else launch(args)
+    return train(args) if args.train else launch(args)
 
 
 if __name__ == "__main__":

@@ -1,3 +1,3 @@
-from hyperpod_sim.cli import main
+from hyperpod_sim.cli.main import main
 
 raise SystemExit(main())

@@ -20,6 +20,24 @@ class DatabaseSettings(BaseModel):
         default=None,
         description="SQLAlchemy URL. Default: a SQLite file in the data dir.",
     )
+    # A database that does not answer is an outage (models/db.py): every wait on it is bounded.
+    pool_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How long a request waits for a pooled connection before it is answered 503 "
+        "ServiceUnavailable; a statement that waits longer than this for its answer counts as the "
+        "database not answering (heartbeat deadlines count from its end).",
+    )
+    connect_timeout_s: float = Field(
+        default=5.0, gt=0, description="PostgreSQL: how long a new connection may take (connect_timeout)."
+    )
+    statement_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="PostgreSQL: the server's statement_timeout and lock_timeout; the control plane "
+        "closes a connection whose answer has not come 2 s later (a stalled network answers nothing). "
+        "SQLite waits up to 30 s for its file's write lock (a local wait, not this setting).",
+    )
 
 
 class ProvisioningSettings(BaseModel):
@@ -30,6 +48,28 @@ class ProvisioningSettings(BaseModel):
         "external: agents started elsewhere register with the cluster's bootstrap token, each bound "
         "to a pending node no agent holds. "
         "simulated: no agents; nodes are Running after node_ready_delay_s (API-only use).",
+    )
+    node_network: Literal["loopback", "shared", "namespaces"] = Field(
+        default="loopback",
+        description="local and simulated modes: loopback: every node gets an address of its own for "
+        "life, from 127.77.0.0/16 (every 127/8 address reaches lo on Linux; macOS needs an lo0 alias "
+        "per address), and its agent listens at port 9200 of it, as HyperPod's daemon does; "
+        "DescribeClusterNode shows it as PrivatePrimaryIp. shared: every agent on a free port of "
+        "127.0.0.1 (for systems without the 127/8 route). namespaces (Linux, root): every node a "
+        "network namespace on a bridge, its address from node_subnet; its agent and node exec's "
+        "commands run inside it, and NetworkPartition is a route in its kernel (docs/nodes.md).",
+    )
+    node_subnet: str = Field(
+        default="198.18.0.0/16",
+        description="namespaces network: the nodes' IPv4 subnet (default inside 198.18.0.0/15, the "
+        "block reserved for network benchmarks). Its first address is the bridge's, where the "
+        "control plane listens too; its second the embedded S3's relay for the nodes.",
+    )
+    node_link_rate_mbit: float | None = Field(
+        default=None,
+        gt=0,
+        description="namespaces network: every node's link rate in Mbit/s, each way (a tbf qdisc on "
+        "its veth pair); None: no limit.",
     )
     node_ready_delay_s: float = Field(
         default=2.0,
@@ -76,6 +116,20 @@ class ProvisioningSettings(BaseModel):
         "(a cluster event and its FailureMessage say why; a Creating cluster is Failed) until "
         "UpdateCluster names the group or BatchReplaceClusterNodes replaces one of its nodes.",
     )
+
+    @field_validator("node_subnet")
+    @classmethod
+    def _node_subnet(cls, value: str) -> str:
+        import ipaddress
+
+        try:
+            subnet = ipaddress.IPv4Network(value)
+        except ValueError as exc:
+            raise ValueError(f"not an IPv4 subnet ({exc}); e.g. 198.18.0.0/16") from None
+        if subnet.prefixlen > 29:
+            raise ValueError("a /29 or larger: the bridge takes two addresses, nodes the others")
+        return str(subnet)
+
     agent_command: list[str] = Field(
         default_factory=lambda: [sys.executable, "-m", "hyperpod_sim", "agent"],
         description="local mode: the command that starts an agent (flags are appended).",
@@ -264,12 +318,19 @@ class Settings(BaseSettings):
     public_url: str | None = Field(
         default=None,
         description="How agents reach the control plane. Default: http://{host}:{port} "
-        "(127.0.0.1 when listening on all addresses).",
+        "(127.0.0.1 when listening on all addresses; on the namespaces node network, the "
+        "bridge's address: http://{first address of node_subnet}:{port}).",
     )
 
     def control_plane_url(self) -> str:
         if self.public_url:
             return self.public_url.rstrip("/")
+        if self.provisioning.node_network == "namespaces" and self.provisioning.mode == "local":
+            # Nodes reach the control plane at the bridge's address (infra/netns.py).
+            import ipaddress
+
+            gateway = ipaddress.IPv4Network(self.provisioning.node_subnet).network_address + 1
+            return f"http://{gateway}:{self.port}"
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}"
 
@@ -280,5 +341,28 @@ class Settings(BaseSettings):
 
 
 @lru_cache
-def get_settings() -> Settings:
-    return Settings()
+def get_settings(
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    data_dir: Path | str | None = None,
+    database_url: str | None = None,
+) -> Settings:
+    """The control plane's settings: the ``HPSIM_*`` environment, with the flags given (``serve
+    --host/--port/--data-dir/--database-url``; None: not given) over it.
+
+    Cached: the same flags give the same object, so treat it as read-only; what is learnt at run
+    time (the port the system chose for ``--port 0``, the embedded S3's endpoint) goes into a copy
+    (``settings.model_copy(update=...)``). ``get_settings.cache_clear()`` reads the environment
+    again.
+    """
+    flags: dict[str, object] = {}
+    if host is not None:
+        flags["host"] = host
+    if port is not None:
+        flags["port"] = port
+    if data_dir is not None:
+        flags["data_dir"] = data_dir
+    if database_url is not None:
+        flags["database"] = {"url": database_url}  # merged with HPSIM_DATABASE__* by the source
+    return Settings(**flags)  # type: ignore[arg-type]

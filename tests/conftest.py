@@ -31,8 +31,17 @@ from sqlalchemy.engine import make_url
 
 from hyperpod_sim.api.app import create_app
 from hyperpod_sim.api.deps import Services
-from hyperpod_sim.seaweedfs import free_embedded_port
+from hyperpod_sim.models.groups import InstanceGroupSpec
+from hyperpod_sim.serve.seaweedfs import free_embedded_port
 from hyperpod_sim.settings import Settings
+
+# Fixtures that some test modules share, by topic.
+pytest_plugins = [
+    "tests.plugins.clients",
+    "tests.plugins.jobs",
+    "tests.plugins.namespaces",
+    "tests.plugins.s3",
+]
 
 POSTGRES_URL = os.environ.get("HPSIM_TEST_POSTGRES_URL")
 ROLE = "arn:aws:iam::123456789012:role/HyperPodExecution"
@@ -69,8 +78,15 @@ def embedded_s3_port(data_dir: Path) -> int:
     return _S3_PORTS[data_dir]
 
 
-def wait_for(predicate: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+def wait_for(
+    predicate: Callable[[], Any],
+    *,
+    timeout: float = 30.0,
+    what: str = "condition",
+    explain: Callable[[], object] | None = None,
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds.
+    ``explain``: what the failure should show of the state (a cluster's events, say)."""
     deadline = time.monotonic() + timeout
     delay = 0.01
     while True:
@@ -78,7 +94,8 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float = 30.0, what: str =
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            told = f": {explain()!r}" if explain is not None else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}{told}")
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
 
@@ -245,6 +262,14 @@ def group(
     }
 
 
+def group_spec(
+    name: str = "workers", count: int = 2, instance_type: str = "ml.p5.48xlarge", **extra: Any
+) -> InstanceGroupSpec:
+    """``group()`` as the API hands it to the domain: its typed value."""
+    spec: InstanceGroupSpec = InstanceGroupSpec.from_wire(group(name, count, instance_type, **extra))
+    return spec
+
+
 def status_of(sm: Any, name: str) -> str:
     status: str = sm.describe_cluster(ClusterName=name)["ClusterStatus"]
     return status
@@ -274,8 +299,14 @@ class ServerProcess:
     """``hyperpod-sim serve`` as a real process, for tests that kill and restart it."""
 
     def __init__(
-        self, database_url: str, data_dir: Path, env: dict[str, str] | None = None, port: int | None = None
+        self,
+        database_url: str,
+        data_dir: Path,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        host: str | None = None,
     ) -> None:
+        """``host``: serve's ``--host`` (default its own, 127.0.0.1); ``url`` is there."""
         self.database_url = database_url
         self.data_dir = data_dir
         self.env = {
@@ -285,7 +316,8 @@ class ServerProcess:
             **(env or {}),
         }
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.url = f"http://{host or '127.0.0.1'}:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
         # Its output goes to a file, not a pipe nobody reads while it runs (a full pipe would
         # stop it); a failure shows the end of it (``log_tail``).
@@ -301,6 +333,8 @@ class ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "hyperpod_sim", "serve", "--port", str(self.port)]
         argv += ["--database-url", self.database_url, "--data-dir", str(self.data_dir)]
+        if self.host is not None:
+            argv += ["--host", self.host]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 argv,
@@ -352,6 +386,12 @@ def kill_processes_under(path: Path) -> None:
             os.kill(int(entry.name), 9)
         except (OSError, ProcessLookupError):
             continue
+
+
+# The agents' network of tests that tell an agent started again by its new endpoint: on the shared
+# network (127.0.0.1, a free port per agent) a restarted agent has a new one; on the default
+# loopback network it keeps its node's address and port 9200 (tests/test_node_addresses.py).
+SHARED_NETWORK: dict[str, Any] = {"provisioning": {"node_network": "shared"}}
 
 
 @pytest.fixture
@@ -419,10 +459,10 @@ def agent_plane(
 
 
 def node_token(plane: ControlPlane, node_id: str) -> str:
-    """A new node token for ``node_id``, made as registration makes one (hyperpod_sim/domain/credentials.py),
+    """A new node token for ``node_id``, made as registration makes one (domain/nodes/credentials.py),
     for a test that plays the node's agent at the control plane. The token the node's agent held
     stops working (its pushes from the control plane still do)."""
-    from hyperpod_sim.domain import credentials
+    from hyperpod_sim.domain.nodes import credentials
     from hyperpod_sim.models import Node
 
     with plane.services.db.write() as session:
@@ -433,8 +473,8 @@ def node_token(plane: ControlPlane, node_id: str) -> str:
 
 def launch_secret(plane: ControlPlane, node_id: str) -> str:
     """Bind ``node_id`` to a new launch secret, as the local provisioner does for each agent process
-    it starts (hyperpod_sim/domain/credentials.py): for a test that starts the node's agent by hand."""
-    from hyperpod_sim.domain import credentials
+    it starts (hyperpod_sim/domain/nodes/credentials.py): for a test that starts the node's agent by hand."""
+    from hyperpod_sim.domain.nodes import credentials
     from hyperpod_sim.models import Node
 
     with plane.services.db.write() as session:

@@ -1,6 +1,7 @@
-"""Helpers the test files share: a training job as rank processes, bearer headers, the AWS CLI.
+"""Helpers the test files share: a training job as rank processes, bearer headers, the AWS CLI,
+hyperpod-sim's own CLI.
 
-Not fixtures (those are in conftest.py): plain functions a test calls with what it has.
+Not fixtures (those are in conftest.py and tests/plugins/): plain functions a test calls with what it has.
 """
 
 from __future__ import annotations
@@ -139,3 +140,27 @@ def aws_cli(
         timeout=120,
         check=False,
     )
+
+
+# ---------------------------------------------------------------------- hyperpod-sim's CLI
+
+
+def hpsim(
+    endpoint: str | None, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``hyperpod-sim ARGS --endpoint-url ENDPOINT`` (no flag when ``endpoint`` is None)."""
+    flags = ["--endpoint-url", endpoint] if endpoint else []
+    return subprocess.run(
+        [sys.executable, "-m", "hyperpod_sim", *args, *flags],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stderr
+    return result.stdout

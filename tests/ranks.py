@@ -21,6 +21,7 @@ def rank_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address (its node's)")
     parser.add_argument("--agent-url", required=True)
     parser.add_argument("--namespace", required=True)
     parser.add_argument("--out", required=True)
@@ -29,9 +30,9 @@ def rank_parser() -> argparse.ArgumentParser:
 
 @contextmanager
 def process_group(args: argparse.Namespace) -> Iterator[None]:
-    """The job's gloo process group (master on 127.0.0.1:``--master-port``), destroyed on the way
-    out."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    """The job's gloo process group (master on ``--master-addr``:``--master-port``, default
+    127.0.0.1), destroyed on the way out."""
+    os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
     dist.init_process_group(backend="gloo", rank=args.rank, world_size=args.world_size)
     try:

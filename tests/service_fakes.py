@@ -5,7 +5,7 @@ that starts nothing and answers what the test says. No HTTP, no processes."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
+from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
 from hyperpod_sim.domain.clock import Ids
-from hyperpod_sim.domain.clusters import ClusterService, DomainConfig
+from hyperpod_sim.domain.clusters.service import ClusterService, DomainConfig
 from hyperpod_sim.domain.reconciler import Reconciler, ReconcilerConfig
 from hyperpod_sim.models import Cluster, ClusterEvent, Database, Node
 from tests.conftest import ManualClock
@@ -32,17 +32,26 @@ class FakeProvisioner:
     ready: bool = True  # simulated mode: every launch delay has passed
     launched: list[str] = field(default_factory=list)
     terminated: list[str] = field(default_factory=list)
+    unlaunched: list[str] = field(default_factory=list)
     still_running: set[str] = field(default_factory=set)  # ShuttingDown nodes whose agent lingers
     exited: set[str] = field(default_factory=set)
     adoptable: set[str] = field(default_factory=set)
     adopt_calls: list[tuple[set[str], set[str]]] = field(default_factory=list)
     # What the next launches raise, in turn (an agent command that cannot be spawned).
     launch_errors: list[OSError] = field(default_factory=list)
+    # Called by each launch, inside the reconciler's launch transaction (a database that goes away).
+    on_launch: Callable[[], object] | None = None
 
-    def launch(self, cluster: Cluster, node: Node) -> None:
+    def launch(self, cluster: Cluster, node: Node) -> bool:
         self.launched.append(node.id)
+        if self.on_launch is not None:
+            self.on_launch()
         if self.launch_errors:
             raise self.launch_errors.pop(0)
+        return self.owns_agents
+
+    def unlaunch(self, node_id: str) -> None:
+        self.unlaunched.append(node_id)
 
     def terminate(self, node: Node) -> None:
         self.terminated.append(node.id)

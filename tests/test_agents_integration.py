@@ -6,21 +6,25 @@ loopback port) on the real clock, with short heartbeat intervals.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from hyperpod_sim.domain.instance_types import instance_memory_bytes
 from hyperpod_sim.infra.processes import find_agent_pids
+from tests.agents import (
+    agent_policy,
+    create_tiered,
+    event_texts,
+    expected_budget,
+    nodes,
+    start_agent,
+    wait_status,
+)
 from tests.conftest import (
-    EKS,
     ControlPlane,
     ServerProcess,
     group,
@@ -28,56 +32,14 @@ from tests.conftest import (
     shm_root_for,
     wait_for,
 )
-from tests.conftest import wait_status as conftest_wait_status
 
 GiB = 2**30
-SCALE = 1 / 1024  # the default simulation scale
 
 
 @pytest.fixture
 def sm(agent_plane: ControlPlane) -> Any:
     """boto3 against the agent control plane (not conftest's simulated one)."""
     return agent_plane.client()
-
-
-def expected_budget(instance_type: str, percentage: int) -> int:
-    return int(instance_memory_bytes(instance_type) * percentage / 100 * SCALE)
-
-
-def nodes(plane: ControlPlane | ServerProcess, name: str) -> list[dict[str, Any]]:
-    """Node details over REST, which carries the AgentStatus extension."""
-    listing = httpx.get(f"{plane.url}/clusters/{name}/nodes", timeout=10).json()
-    details = []
-    for summary in listing["ClusterNodeSummaries"]:
-        response = httpx.get(f"{plane.url}/clusters/{name}/nodes/{summary['InstanceId']}", timeout=10)
-        if response.status_code == 404:
-            continue  # removed between the listing and now
-        details.append(response.json()["NodeDetails"])
-    return details
-
-
-def agent_policy(node: dict[str, Any]) -> dict[str, Any]:
-    policy: dict[str, Any] = httpx.get(f"{node['AgentStatus']['Endpoint']}/v1/policy", timeout=10).json()
-    return policy
-
-
-# conftest's, with room for agent processes starting on a busy machine.
-wait_status = functools.partial(conftest_wait_status, timeout=90)
-
-
-def create_tiered(sm: Any, name: str, count: int, percentage: int = 20, **kwargs: Any) -> None:
-    sm.create_cluster(
-        ClusterName=name,
-        InstanceGroups=[group("workers", count)],
-        Orchestrator=EKS,
-        TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": percentage},
-        **kwargs,
-    )
-
-
-def event_texts(sm: Any, name: str) -> list[str]:
-    pages = sm.get_paginator("list_cluster_events").paginate(ClusterName=name, SortOrder="Ascending")
-    return [e["Description"] for page in pages for e in page["Events"]]
 
 
 def test_rollout_budget_and_ring(agent_plane: ControlPlane, sm: Any) -> None:
@@ -291,17 +253,6 @@ def test_rollout_completes_after_control_plane_restart(database_url: str, tmp_pa
         kill_processes_under(tmp_path)
 
 
-def start_agent(plane_url: str, cluster: str, token: str, data_dir: Path) -> subprocess.Popen[bytes]:
-    """An agent started by hand, as docker compose or a DaemonSet would (external provisioning)."""
-    argv = [sys.executable, "-m", "hyperpod_sim", "agent", "--control-plane", plane_url, "--cluster", cluster]
-    argv += ["--data-dir", str(data_dir), "--heartbeat-interval", "0.2"]
-    argv += ["--shm-dir", str(shm_root_for(data_dir.parent) / data_dir.name)]
-    with open(data_dir.with_suffix(".log"), "wb") as log:
-        return subprocess.Popen(
-            argv, env={**os.environ, "HPSIM_AGENT_TOKEN": token}, stdout=subprocess.DEVNULL, stderr=log
-        )
-
-
 @pytest.mark.parametrize("agent_settings", [{"provisioning": {"mode": "external"}}], indirect=True)
 def test_external_agents_bind_to_pending_slots(agent_plane: ControlPlane, sm: Any, tmp_path: Path) -> None:
     create_tiered(sm, "ext", 2)
@@ -353,7 +304,7 @@ def test_two_control_planes_push_once(database_url: str, tmp_path: Path) -> None
         "HPSIM_RECONCILER__INTERVAL_S": "0.05",
         "HPSIM_SIMULATION__SHM_ROOT": str(shm_root_for(tmp_path)),  # removed after the test
     }
-    # One database, two data dirs: a data dir is one control plane's (hyperpod_sim/serving.py).
+    # One database, two data dirs: a data dir is one control plane's (hyperpod_sim/serve/process.py).
     first = ServerProcess(database_url, tmp_path / "first", env).start()
     second = ServerProcess(database_url, tmp_path / "second", env).start()
     try:

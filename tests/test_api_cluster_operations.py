@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
-from hyperpod_sim.domain import operations
+from hyperpod_sim.domain import operation_records as operations
 from hyperpod_sim.models import Cluster, ClusterOperation
+from tests.clusters import error_of
 from tests.conftest import ControlPlane, group, wait_for
-from tests.test_semantics import error_of
 
 UUID = "0123abcd-4567-89ab-cdef-0123456789ab"
 
@@ -110,7 +110,7 @@ def test_filters_sorting_and_paging(control_plane: ControlPlane, sm: Any) -> Non
 
 
 def test_superseded_by_a_newer_operation(control_plane: ControlPlane, sm: Any) -> None:
-    """The node operations' way in (domain/operations.py), here without a reconciler racing it."""
+    """The node operations' way in (domain/operation_records.py), here without a reconciler racing it."""
     sm.create_cluster(ClusterName="c", InstanceGroups=[group(count=3)])
     control_plane.settle(sm, "c")
     services = control_plane.services

@@ -9,8 +9,8 @@ import httpx
 from sqlalchemy import select
 
 from hyperpod_sim.models import NodeAttachment
+from tests.clusters import error_of
 from tests.conftest import EKS, ROLE, ControlPlane, group, wait_for
-from tests.test_semantics import error_of
 
 VOLUME = "vol-0123456789abcdef0"
 OTHER = "vol-0123456789abcdef1"

@@ -7,8 +7,8 @@ from typing import Any
 
 import httpx
 
+from tests.clusters import error_of
 from tests.conftest import EKS, ControlPlane, group, wait_for
-from tests.test_semantics import error_of
 
 POLICY = {
     "PriorityClasses": [{"Name": "inference", "Weight": 90}, {"Name": "training", "Weight": 50}],

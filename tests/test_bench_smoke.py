@@ -1,4 +1,6 @@
-"""The benchmark scripts still run: ``bench/run_all.py`` over all five with small sizes.
+"""The benchmark scripts still run: ``bench/run_all.py`` over all five with small sizes, and
+``bench/agent_http.py`` (the agents' HTTP server against the loopback ceiling, docs/decisions/0001)
+with a 4 MiB body.
 
 Nothing here judges a ratio (timings belong to the scripts, on a quiet machine); what is checked is
 that every script starts its servers, measures each of its targets and writes the common
@@ -37,3 +39,19 @@ def test_every_benchmark_runs_and_measures_its_targets(tmp_path: Path) -> None:
     for name in SMALL:
         report = json.loads((tmp_path / f"{name}.json").read_text())
         assert report["target_ratios"], name
+
+
+def test_the_agent_http_benchmark_runs_and_measures_every_cell(tmp_path: Path) -> None:
+    # Not one of run_all's: it has no target, only the numbers behind docs/decisions/0001. Its
+    # untimed first run of each cell checks the bytes (a SHA-256 on the server, a comparison here).
+    out = tmp_path / "agent_http.json"
+    command = [sys.executable, str(ROOT / "bench" / "agent_http.py"), "--mib", "4", "--runs", "1"]
+    result = subprocess.run(
+        [*command, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert len(report["cells"]) == 7, report
+    assert all(cell["mib_per_s"] > 0 and len(cell["times_s"]) == 1 for cell in report["cells"]), report
+    assert len(report["ratios"]) == 4, report
+    assert all(ratio > 0 for ratio in report["ratios"].values()), report

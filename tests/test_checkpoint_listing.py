@@ -15,11 +15,8 @@ import pytest
 from hyperpod_sim.infra.processes import find_agent_pids
 from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from tests.conftest import ControlPlane, wait_for
-from tests.test_memory_tier import cluster, create_namespace, put, replicated, url
-from tests.test_s3_tier import CREDENTIALS, bucket, markers, moto_url, s3, save_step, set_policy
-
-# S3: moto's server (the fixtures of test_s3_tier).
-__all__ = ["bucket", "moto_url", "s3"]
+from tests.s3_checkpoints import CREDENTIALS, markers, save_step, set_policy
+from tests.tier import cluster, create_namespace, put, replicated, url
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 

@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 
 from hyperpod_sim.api.app import create_app
-from hyperpod_sim.cli_common import Progress, table
+from hyperpod_sim.cli.common import Progress, table
 from hyperpod_sim.sdk.client import HyperPodClient
 from tests.conftest import ControlPlane, ServerThread, free_port, make_settings, wait_for
-from tests.test_memory_tier import cluster, create_namespace, put, replicated, url
-from tests.test_s3_tier import save_step
+from tests.helpers import hpsim, ok
+from tests.s3_checkpoints import save_step
+from tests.tier import cluster, create_namespace, put, replicated, url
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLE = "arn:aws:iam::123456789012:role/HyperPodExecution"
@@ -55,27 +56,6 @@ def plane(database_url: str, tmp_path: Path) -> Iterator[str]:
     )
     with ServerThread(create_app(settings), port):
         yield f"http://127.0.0.1:{port}"
-
-
-def hpsim(
-    endpoint: str | None, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """``hyperpod-sim ARGS --endpoint-url ENDPOINT`` (no flag when ``endpoint`` is None)."""
-    flags = ["--endpoint-url", endpoint] if endpoint else []
-    return subprocess.run(
-        [sys.executable, "-m", "hyperpod_sim", *args, *flags],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-
-
-def ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, result.stderr
-    return result.stdout
 
 
 def failed(result: subprocess.CompletedProcess[str]) -> str:
@@ -340,7 +320,7 @@ def test_the_command_stays_light() -> None:
     """Building the parser (what ``hyperpod-sim agent`` does first) imports neither the SDK nor
     the server: the cluster commands import theirs when they run."""
     script = (
-        "import sys; from hyperpod_sim.cli import build_parser; build_parser(); "
+        "import sys; from hyperpod_sim.cli.main import build_parser; build_parser(); "
         "ours = {'hyperpod_sim.' + p for p in ('sdk', 'api', 'domain', 'models', 'agents', 'infra')}; "
         "heavy = {m.split('.')[0] for m in sys.modules} & {'boto3', 'botocore', 'httpx', 'yaml', "
         "'fastapi', 'sqlalchemy', 'uvicorn', 'pydantic'} "

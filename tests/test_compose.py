@@ -1,5 +1,6 @@
 """docker-compose.yml cannot run here (no Docker engine); check what can be checked without one:
-every command it runs exists with the flags it passes, and every setting it sets exists."""
+every command it runs exists with the flags it passes, every setting it sets exists, and the agents
+answer where the amzn-sagemaker-checkpointing library's default config looks for HyperPod's daemon."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import yaml
 
 from hyperpod_sim.agents.config import AgentSettings
-from hyperpod_sim.cli import build_parser
 from hyperpod_sim.settings import Settings
+from tests.deployment import BOTO3_VARIABLES, flags_of, library_daemon_address
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,23 +24,12 @@ def compose() -> dict[str, Any]:
     return data
 
 
-def flags_of(subcommand: str) -> set[str]:
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    return {opt for action in sub.choices[subcommand]._actions for opt in action.option_strings}  # type: ignore[union-attr]
-
-
 def argv(service: dict[str, Any]) -> list[str]:
     if "entrypoint" in service:
         script = service["entrypoint"][-1].replace("$$", "$")
         words = shlex.split(script.split("exec ", 1)[1])
         return words[1:]  # drop the program name
     return list(service["command"])
-
-
-# What the agents may take from the environment besides their own settings: the boto3 chain's
-# variables, for the S3 tier's client.
-BOTO3_VARIABLES = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}
 
 
 def test_services_and_dependencies() -> None:
@@ -117,7 +107,7 @@ def test_the_control_plane_runs_with_auth_on(monkeypatch: pytest.MonkeyPatch) ->
     """It listens on the container network, which serve allows only with credentials; the agents
     and the healthcheck use the routes the credentials do not cover."""
     from hyperpod_sim.api.gate import AGENT_PREFIX, OPEN_PATHS
-    from hyperpod_sim.cli import _is_loopback
+    from hyperpod_sim.cli.main import _is_loopback
 
     for key in list(os.environ):
         if key.startswith("HPSIM_"):
@@ -137,3 +127,17 @@ def test_the_control_plane_runs_with_auth_on(monkeypatch: pytest.MonkeyPatch) ->
     agent = " ".join(argv(services["agent"]))
     assert "--control-plane http://control-plane:8080" in agent  # it calls /agent/v1/* only
     assert AGENT_PREFIX == "/agent/"
+
+
+def test_the_agents_are_where_the_library_looks() -> None:
+    """A trainer container on compose's network with the library's default InMemoryClientConfig()
+    reaches the agents: they carry its host name as a network alias (compose's DNS answers it with
+    every replica's address) and listen at its port on every address of their container."""
+    daemon = library_daemon_address()
+    agent = compose()["services"]["agent"]
+    assert daemon.host in agent["networks"]["default"]["aliases"]
+    words = argv(agent)
+    assert int(words[words.index("--port") + 1]) == daemon.port
+    assert words[words.index("--host") + 1] == "0.0.0.0"
+    # What each replica registers is its own address at that port, where peers replicate to it.
+    assert words[words.index("--advertise-host") + 1] == "$(hostname -i | cut -d' ' -f1)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,19 +22,20 @@ import httpx
 import pytest
 
 from hyperpod_sim.contracts.s3layout import WRITTEN_BY_AGENTS, WRITTEN_BY_TRAINER
-from hyperpod_sim.domain.checkpoints import NamespaceCheckpoints, StepLocation
+from hyperpod_sim.domain.checkpoints.listing import NamespaceCheckpoints, StepLocation
 from hyperpod_sim.domain.overview import restore_plan
 from hyperpod_sim.sdk.auth import bearer_token
-from tests.conftest import ControlPlane
-from tests.test_memory_tier import members, url
-from tests.test_s3_tier import CREDENTIALS, bucket, moto_url, s3
-from tests.test_sdk_checkpoint import run
-
-# S3: moto's server (the fixtures of test_s3_tier).
-__all__ = ["bucket", "moto_url", "s3"]
+from tests.conftest import ControlPlane, wait_for
+from tests.job_runs import run_job
+from tests.jobs import run
+from tests.s3_checkpoints import CREDENTIALS
+from tests.tier import cluster, members, url
 
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 expect = playwright_sync.expect
+# A page's own updates (a render after a poll) within 30 s, not Playwright's 5: CI's two cores run
+# this browser beside four test workers.
+expect.set_options(timeout=30_000)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +76,17 @@ def agent_settings(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
     for key, value in CREDENTIALS.items():
         monkeypatch.setenv(key, value)
     return {"s3": {"endpoint_url": moto_url, "embedded": False}}
+
+
+def overview_with_a_node(plane: ControlPlane, name: str) -> dict[str, Any]:
+    """The cluster's overview once it shows a node: CreateCluster answers before the node exists
+    (the reconciler makes it)."""
+    overview: dict[str, Any] = wait_for(
+        lambda: (o := httpx.get(f"{plane.url}/clusters/{name}/overview").json())["Nodes"] and o,
+        timeout=60,
+        what=f"a node of {name}",
+    )
+    return overview
 
 
 def create_through_the_form(page: Any, name: str, count: int) -> None:
@@ -158,10 +171,17 @@ def test_the_demo_story_through_the_console(
 
     # The control plane's database goes away for 3 s: the console says so, then recovers.
     page.get_by_role("link", name="All clusters").click()
-    page.locator("#db-outage").get_by_label("DatabaseOutage for").fill("3")
+    page.locator("#db-outage").get_by_label("Database fault for").fill("3")
     page.get_by_role("button", name="Inject DatabaseOutage").click()
     expect(page.locator("#banner")).to_contain_text("503")
     expect(page.locator("#banner")).to_be_hidden(timeout=30_000)
+    expect(page.locator("#live")).to_contain_text("live")
+
+    # A database that hangs for 3 s: the fault is listed while in force (the fault routes answer
+    # from memory), then gone, and the console is live again.
+    page.get_by_role("button", name="Inject DatabaseHang").click()
+    expect(page.locator('#cp-faults li[data-type="DatabaseHang"]')).to_be_visible()
+    expect(page.locator("#cp-faults")).to_contain_text("No fault in force", timeout=30_000)
     expect(page.locator("#live")).to_contain_text("live")
 
     # Delete, confirmed in the browser's dialog: the cluster goes.
@@ -267,7 +287,7 @@ class TestTheCheckpointMap:
             },
         )
         assert created.status_code == 200, created.text
-        served = httpx.get(control_plane.url + "/clusters/map/overview").json()
+        served = overview_with_a_node(control_plane, "map")
         node = served["Nodes"][0]["InstanceId"]
         namespace = NamespaceCheckpoints(
             "job",
@@ -298,3 +318,69 @@ class TestTheCheckpointMap:
         expect(writers["1"]).to_have_text("▲ written by agents")
         expect(writers["3"]).to_have_text("\N{EN DASH}")  # not on S3
         expect(section.locator("thead")).to_contain_text("On S3")
+
+    def test_it_tells_s3_unreachable_from_not_on_s3(self, control_plane: ControlPlane, page: Any) -> None:
+        created = httpx.post(
+            control_plane.url + "/clusters",
+            json={
+                "ClusterName": "dark",
+                "InstanceGroups": [
+                    {
+                        "InstanceGroupName": "w",
+                        "InstanceType": "ml.c5.large",
+                        "InstanceCount": 1,
+                        "ExecutionRole": "arn:aws:iam::123456789012:role/x",
+                    }
+                ],
+            },
+        )
+        assert created.status_code == 200, created.text
+        served = overview_with_a_node(control_plane, "dark")
+        node = served["Nodes"][0]["InstanceId"]
+        namespace = NamespaceCheckpoints(
+            "job",
+            1,
+            3,
+            [StepLocation(step=1, memory={0: node}, replica={}, on_s3=None, complete=True)],
+            s3_error="no agent could list S3: connection refused",
+        )
+        view = {**served, "Checkpoints": [{**namespace.to_wire(), "Restore": restore_plan(namespace)}]}
+        page.route("**/clusters/dark/overview", lambda route: route.fulfill(json=view))
+        page.goto(f"{control_plane.url}/console#/clusters/dark")
+        section = page.locator('section.namespace[data-namespace="job"]')
+        writer = section.locator('tr[data-step="1"] td.s3-writer')
+        expect(writer).to_have_text("? S3 unreachable")
+        expect(writer).to_have_attribute("data-s3-written-by", "unknown")
+        expect(section.locator("p.s3-error")).to_contain_text("connection refused")
+
+
+@pytest.mark.usefixtures("no_job_left")
+def test_it_shows_a_jobs_attempts_beside_the_checkpoint_map(
+    agent_plane: ControlPlane, page: Any, tmp_path: Path
+) -> None:
+    cluster(agent_plane.client(), agent_plane, "jobs", 1)
+    # Fails its first attempt (exit 5), succeeds its second: auto-resume with one restart.
+    flaky = "import os, sys; sys.exit(0 if os.environ['HPSIM_JOB_ATTEMPT'] == '2' else 5)"
+    done = run_job(
+        agent_plane,
+        tmp_path,
+        "--cluster",
+        "jobs",
+        "--auto-resume",
+        "--max-restarts",
+        "1",
+        "--name",
+        "flaky",
+        command=[sys.executable, "-c", flaky],
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    page.goto(f"{agent_plane.url}/console#/clusters/jobs")
+    row = page.locator('#jobs tr[data-job="flaky"]')
+    expect(row).to_have_attribute("data-status", "Succeeded", timeout=SLOW)
+    expect(row).to_contain_text("1 of 1")  # restarts
+    expect(row.locator('li[data-attempt="1"]')).to_contain_text("RankExit (rank 0)")
+    expect(row.locator('li[data-attempt="1"]')).to_contain_text("exit 5")
+    expect(row.locator('li[data-attempt="2"]')).to_have_attribute("data-status", "Succeeded")
+    # Beside the checkpoint map, as the issue asks: both on the cluster's page.
+    expect(page.get_by_role("heading", name="Jobs", exact=True)).to_be_visible()
+    expect(page.get_by_role("heading", name="Checkpoint map")).to_be_visible()

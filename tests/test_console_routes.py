@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hyperpod_sim.domain.checkpoints import NamespaceCheckpoints, StepLocation
+from hyperpod_sim.domain.checkpoints.listing import NamespaceCheckpoints, StepLocation
 from hyperpod_sim.domain.overview import held_bytes, restore_plan
 from hyperpod_sim.sdk.auth import bearer_token
 from tests.conftest import EKS, ControlPlane, group

@@ -3,15 +3,37 @@ without a process or a socket."""
 
 from __future__ import annotations
 
+import ast
 import base64
 import json
 from pathlib import Path
+from typing import cast
 
 import pydantic
 import pytest
 import xxhash
 
-from hyperpod_sim.contracts.agent_api import HEARTBEAT_ROUTE, agent_api_path
+from hyperpod_sim.agents.app import AgentApp
+from hyperpod_sim.agents.state import AgentState
+from hyperpod_sim.agents.tier import MemoryTier
+from hyperpod_sim.agents.tierroutes import TierRoutes
+from hyperpod_sim.contracts.agent_api import (
+    AGENT_ROUTES,
+    CP_LATEST_ROUTE,
+    CP_SHARD_ROUTE,
+    FAST_COMMIT_ROUTE,
+    HEARTBEAT_ROUTE,
+    POLICY_PATH,
+    AgentApi,
+    AgentRoute,
+    Heartbeat,
+    RouteTable,
+    S3StatusProblem,
+    agent_api_path,
+    agent_path,
+    agent_route,
+)
+from hyperpod_sim.contracts.agent_bodies import PersistRequest, S3TierStatus, ShardIndex
 from hyperpod_sim.contracts.policy import NodePolicy, PolicyError, S3Policy, parse_policy
 from hyperpod_sim.contracts.s3layout import (
     LAYOUT_RAY,
@@ -149,3 +171,111 @@ def test_the_protocol_doc_shows_every_member_of_the_policy() -> None:
     policy = parse_policy(json.loads(example))
     assert set(policy.document()) == set(NodePolicy.model_fields)
     assert NodePolicy(generation=1).document() == {"generation": 1}
+
+
+# ------------------------------------------------------------------------------ the agent's own API
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hyperpod_sim"
+
+
+def _route_literals(path: Path) -> list[tuple[int, str]]:
+    """The string constants of a module (f-string parts included) that begin like an agent route."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("/v1/"):
+            found.append((node.lineno, node.value))
+    return found
+
+
+def test_no_agent_route_is_spelled_outside_contracts() -> None:
+    """Every caller of an agent fills in a template of contracts.agent_api: a route spelled by hand
+    elsewhere is one the agent's route table may not serve."""
+    spelled = [
+        f"{path.relative_to(PACKAGE)}:{line}: {text!r}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] not in ("contracts", "migrations")
+        for line, text in _route_literals(path)
+    ]
+    assert spelled == []
+
+
+def test_the_agent_serves_exactly_the_routes_of_the_contract() -> None:
+    """The agent's route table is built from AGENT_ROUTES: one handler per row, none beside it."""
+    app = AgentApp(state=AgentState(cluster="c"), tier=None)
+    tier_routes = [route for route, _ in TierRoutes(cast(MemoryTier, None)).handlers()]
+    admin = [r for r in AGENT_ROUTES if r.api is AgentApi.ADMIN]
+    assert sorted(map(str, admin + tier_routes)) == sorted(map(str, AGENT_ROUTES))
+    assert len(set(tier_routes)) == len(tier_routes)
+    # Without a memory tier, the admin API only.
+    assert app.routes.lookup("/v1/internal/reset") is None
+    assert set(app.routes.lookup(POLICY_PATH).methods) == {"GET", "PUT"}  # type: ignore[union-attr]
+
+
+def test_a_route_table_takes_only_routes_of_the_contract() -> None:
+    with pytest.raises(ValueError, match=r"not a route of contracts\.agent_api"):
+        RouteTable([(AgentRoute("GET", "/v1/internal/secret", AgentApi.INTERNAL), "handler")])
+    with pytest.raises(KeyError):
+        agent_route("PATCH", CP_SHARD_ROUTE)
+
+
+def test_a_route_table_matches_templates_segment_by_segment() -> None:
+    table = RouteTable((route, route) for route in AGENT_ROUTES)
+    assert table.lookup("/v1/cp/checkpoints/a%2Fb/3/4/5") is None  # no template has as many segments
+    latest = table.lookup("/v1/cp/checkpoints/a%2Fb/latest/")
+    assert latest is not None
+    assert (list(latest.methods), latest.parameters) == (["GET"], {"namespace": "a/b"})
+    assert latest.methods["GET"] == agent_route("GET", CP_LATEST_ROUTE)
+    shard = table.lookup(agent_path(CP_SHARD_ROUTE, namespace="job", rank=0, step=7))
+    assert shard is not None
+    assert (sorted(shard.methods), shard.parameters) == (
+        ["DELETE", "GET", "POST"],
+        {"namespace": "job", "rank": "0", "step": "7"},
+    )
+    # The fast path answers under /v1/cp too.
+    for path in ("/v1/fast/commit/t-1", "/v1/cp/fast/commit/t-1"):
+        commit = table.lookup(path)
+        assert commit is not None
+        assert (commit.methods["POST"], commit.parameters) == (
+            agent_route("POST", FAST_COMMIT_ROUTE),
+            {"token": "t-1"},
+        )
+    assert table.lookup("/v1/fast/namespaces/job") is None  # the library's routes do not
+    assert table.lookup("/v1/internal") is None
+
+
+def test_agent_bodies_round_trip_in_their_wire_order() -> None:
+    index = ShardIndex(node_id="i-1", steps={5: (0, 1)}, primary={5: (1,)}, replica={5: (0,)})
+    wire = json.dumps(index.document())
+    assert wire == '{"node_id": "i-1", "steps": {"5": [0, 1]}, "primary": {"5": [1]}, "replica": {"5": [0]}}'
+    assert ShardIndex.parse(wire) == index
+    request = PersistRequest(base_uri="s3://b/p", ranks=(0, 2), replicas=True, save=None)
+    assert request.document() == {"base_uri": "s3://b/p", "ranks": [0, 2], "replicas": True, "save": None}
+    with pytest.raises(pydantic.ValidationError):
+        PersistRequest.parse('{"base_uri": "s3://b/p", "ranks": ["zero"]}')
+    with pytest.raises(pydantic.ValidationError):
+        index.node_id = "i-2"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ([1], "s3 must be an object or null, got list."),
+        ({"pending_steps": True}, "s3.pending_steps must be a non-negative integer, got True."),
+        ({"lag_seconds": float("nan")}, "s3.lag_seconds must be a non-negative number, got nan."),
+    ],
+)
+def test_a_heartbeat_s3_status_is_parsed_once_in_the_protocols_words(raw: object, message: str) -> None:
+    assert Heartbeat.model_validate({"applied_generation": 1, "s3": raw}).s3 == S3StatusProblem(message)
+
+
+def test_a_heartbeat_s3_status_keeps_what_came_and_drops_what_it_does_not_know() -> None:
+    heartbeat = Heartbeat.model_validate(
+        {"applied_generation": 1, "s3": {"lag_seconds": 3, "last_error": None, "from_the_future": 1}}
+    )
+    assert isinstance(heartbeat.s3, S3TierStatus)
+    assert heartbeat.s3.document() == {"lag_seconds": 3, "last_error": None}
+    sent = Heartbeat(applied_generation=2, s3=S3TierStatus(pending_steps=0, lag_seconds=0.5))
+    assert sent.model_dump(mode="json", exclude_unset=True) == {
+        "applied_generation": 2,
+        "s3": {"pending_steps": 0, "lag_seconds": 0.5},
+    }

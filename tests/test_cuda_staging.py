@@ -19,7 +19,7 @@ from hyperpod_sim.sdk.agent import AgentClient
 from hyperpod_sim.sdk.checkpoint import TieredCheckpointConfig, TieredStorageReader, TieredStorageWriter
 from hyperpod_sim.sdk.device_copy import CudaHostRegistrar, DeviceCopies
 from tests.conftest import ControlPlane
-from tests.test_memory_tier import cluster, create_namespace, get, url
+from tests.tier import cluster, create_namespace, get, url
 
 pytestmark = pytest.mark.patient_heartbeats
 

@@ -17,9 +17,9 @@ from botocore.exceptions import ClientError
 
 from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from tests.conftest import EKS, ControlPlane, group, wait_for
-from tests.test_cli import hpsim, ok
-from tests.test_faults import descriptions, node_status
-from tests.test_memory_tier import cluster
+from tests.faults import descriptions, node_status
+from tests.helpers import hpsim, ok
+from tests.tier import cluster
 
 
 @pytest.fixture
@@ -192,7 +192,7 @@ def test_bad_control_plane_faults_are_refused(control_plane: ControlPlane) -> No
 
     assert "Member must not be null" in refused({"Type": "DatabaseOutage"})
     assert "less than or equal to 3600" in refused({"Type": "DatabaseOutage", "DurationSeconds": 4000})
-    assert "[DatabaseOutage]" in refused({"Type": "AgentCrash", "DurationSeconds": 5})
+    assert "[DatabaseOutage, DatabaseHang]" in refused({"Type": "AgentCrash", "DurationSeconds": 5})
     assert "Unknown member 'InstanceId'" in refused(
         {"Type": "DatabaseOutage", "DurationSeconds": 5, "InstanceId": "i-1"}
     )

@@ -37,4 +37,13 @@ def test_the_demo_loses_a_node_and_resumes(tmp_path: Path) -> None:
     assert out.count("restore took:") == 1
     assert re.search(r"replaced in:\s+\d+\.\d s from the injection", report), report
     assert "is replaced by" in report
+    # The job restarted by itself (job run --auto-resume), on the replacement, after the node
+    # was replaced: the parts of the outage, each timed from the injection.
+    stopped = float(re.search(r"job stopped:\s+(\d+\.\d) s", report).group(1))  # type: ignore[union-attr]
+    replaced = float(re.search(r"replaced in:\s+(\d+\.\d) s", report).group(1))  # type: ignore[union-attr]
+    restarted = float(re.search(r"job restarted:\s+(\d+\.\d) s", report).group(1))  # type: ignore[union-attr]
+    assert stopped <= restarted
+    assert replaced <= restarted + 0.1  # the restart waited for the replacement (event times round)
+    assert re.search(r"Job \S+ attempt 1 ended: node \S+ failed", report), report
+    assert re.search(r"Job \S+ attempt 2 started on", report), report
     assert "done: steps" in out

@@ -23,14 +23,14 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from hyperpod_sim.embedded_s3 import EmbeddedS3, EmbeddedS3Error, start_embedded_s3, start_seaweedfs_s3
-from hyperpod_sim.seaweedfs import weed_binary, weed_ports
+from hyperpod_sim.serve.embedded_s3 import EmbeddedS3, EmbeddedS3Error, start_embedded_s3, start_seaweedfs_s3
+from hyperpod_sim.serve.seaweedfs import weed_binary, weed_ports
 from hyperpod_sim.settings import S3Settings, Settings
+from tests.agents import event_texts
 from tests.conftest import ServerProcess, embedded_s3_port, free_port, kill_processes_under, wait_for
-from tests.test_agents_integration import event_texts
-from tests.test_memory_tier import cluster, create_namespace, url
-from tests.test_memory_tier_library import agents, run_job
-from tests.test_s3_tier import markers, save_step, set_policy
+from tests.jobs import agents, run_job
+from tests.s3_checkpoints import markers, save_step, set_policy
+from tests.tier import cluster, create_namespace, url
 
 BUCKET = "hpsim-checkpoints"
 
@@ -410,8 +410,19 @@ def test_a_seaweedfs_killed_while_serve_runs_comes_back_with_its_data(
         wait_for(lambda: job()["Steps"][0]["S3"] is True, timeout=180, what="S3 listed again")
         (second,) = weed_pids(tmp_path)
         assert second != first
-        # The same port and credentials, and what was stored before is there.
-        got = s3.get_object(Bucket=BUCKET, Key="saved/before.bin")["Body"].read()
+
+        # The same port and credentials, and what was stored before is there. On a loaded machine
+        # a read right after the restart can still answer InternalError for a moment (the volume
+        # server loading the volume), which a client's retries absorb: wait for it, not forever.
+        def stored() -> bytes | None:
+            try:
+                return bytes(s3.get_object(Bucket=BUCKET, Key="saved/before.bin")["Body"].read())
+            except ClientError as error:
+                if error.response["Error"]["Code"] != "InternalError":
+                    raise
+                return None
+
+        got = wait_for(stored, timeout=60, what="the object stored before the kill")
         assert hashlib.sha256(got).digest() == hashlib.sha256(body).digest()
         assert "S3Error" not in job()
         back = f"The embedded S3 at {endpoint} is back (restarted with the same data and credentials)"

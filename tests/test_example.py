@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hyperpod_sim.sdk.client import HyperPodClient
 from tests.conftest import ServerProcess, kill_processes_under, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,13 +35,17 @@ def server(sqlite_url: str, tmp_path: Path) -> Iterator[ServerProcess]:
 def example(server: ServerProcess, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "examples/train_tiered.py", "--endpoint-url", server.url, "--ranks", "2", *args]
     # The trainers map the agents' shared memory under the server's root, as on its nodes.
-    env = {**os.environ, "HPSIM_SIMULATION__SHM_ROOT": server.env["HPSIM_SIMULATION__SHM_ROOT"]}
+    env = {
+        **os.environ,
+        "HPSIM_SIMULATION__SHM_ROOT": server.env["HPSIM_SIMULATION__SHM_ROOT"],
+        "HPSIM_JOB_LOG_DIR": str(tmp_path / "jobs"),  # the job's log, not under HOME
+    }
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_the_example_trains_fails_and_resumes(server: ServerProcess, tmp_path: Path) -> None:
     report = tmp_path / "report"
-    first = example(server, tmp_path, "--steps", "8", "--s3-every", "4", "--fail-at", "7")
+    first = example(server, tmp_path, "--steps", "8", "--s3-every", "4", "--fail-at", "7", "--no-auto-resume")
     assert first.returncode == 3, first.stdout + first.stderr  # every rank died after step 7
     assert "no checkpoint yet: starting from step 0" in first.stdout
     assert "simulated failure at step 7" in first.stdout
@@ -72,3 +78,20 @@ def test_the_example_trains_fails_and_resumes(server: ServerProcess, tmp_path: P
         return max(steps) if steps else None
 
     assert wait_for(lambda: persisted() == 8, timeout=60, what="step 8 on S3")
+
+
+def test_with_auto_resume_the_job_restarts_itself_and_resumes(server: ServerProcess, tmp_path: Path) -> None:
+    """One command: the job's first attempt dies after step 5, `job run --auto-resume` starts it
+    again, and every rank resumes from the newest complete checkpoint (step 4, or 2 if the save
+    of 4 was still in flight) to the end."""
+    done = example(server, tmp_path, "--steps", "8", "--fail-at", "5", "--cluster", "again")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[rank 0] simulated failure at step 5" in done.stdout
+    assert "[job] attempt 1 ended: rank 0 exited with status 3; restarting (restart 1 of 3)" in done.stdout
+    resumed = re.search(r"\[rank 0\] resumed from step (\d+)", done.stdout)
+    assert resumed is not None, done.stdout
+    assert int(resumed.group(1)) in (2, 4)
+    assert f"[rank 0] done: steps {int(resumed.group(1)) + 1}..8" in done.stdout
+    with HyperPodClient(server.url) as client:
+        (job,) = client.list_jobs("again")
+    assert [(a["Cause"], a["ExitCode"]) for a in job["Attempts"]] == [("RankExit", 3), ("Succeeded", 0)]

@@ -1,4 +1,4 @@
-"""The extensions model (contracts/extensions.json) is what the API enforces, documents and the CLI
+"""The extensions model (contracts/simulator_api.json) is what the API enforces, documents and the CLI
 offers: a walk over every constraint of every extension operation's input (and each per-type
 shape) breaks it and expects the validator's message; the OpenAPI document and the CLI's choices
 are compared with the model."""
@@ -11,17 +11,23 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
-from hyperpod_sim import cluster_cli
-from hyperpod_sim.api import extension_routes, extensions
+from hyperpod_sim.api import simulator_api as extensions
+from hyperpod_sim.api import simulator_routes as extension_routes
 from hyperpod_sim.api.openapi import install_openapi
 from hyperpod_sim.api.rest import status_for
-from hyperpod_sim.contracts import extensions as model
+from hyperpod_sim.cli import clusters as cluster_cli
+from hyperpod_sim.contracts import simulator_api as model
 from hyperpod_sim.domain import errors
 from hyperpod_sim.domain.errors import SerializationException, ValidationException
 
-EXAMPLES = {"S3BaseUri": "s3://bucket/prefix"}
+EXAMPLES = {
+    "S3BaseUri": "s3://bucket/prefix",
+    "JobName": "train",
+    "JobRef": "train",
+    "NodeId": "i-0123456789abcdef0",
+}
 """Valid values of the pattern-constrained shapes."""
-BREAKERS = {"S3BaseUri": "http://bucket/prefix"}
+BREAKERS = {"S3BaseUri": "http://bucket/prefix", "JobName": "-train", "NodeId": "node-1"}
 
 
 def _minimal(shape: Any) -> Any:
@@ -34,6 +40,10 @@ def _minimal(shape: Any) -> Any:
         return meta.get("min", 1)
     if shape.type_name == "double":
         return (meta.get("min", 0) + meta.get("max", 1)) / 2
+    if shape.type_name == "list":
+        return [_minimal(shape.member)] * max(meta.get("min", 1), 1)
+    if shape.type_name == "boolean":
+        return False
     raise AssertionError(f"no minimal value for {shape.name} ({shape.type_name})")
 
 
@@ -85,8 +95,9 @@ def test_every_constraint_is_enforced(operation: str, shape: Any, name: str, kin
     elif kind == "pattern":
         bad = BREAKERS[member.name]
         phrase = f"must satisfy regular expression pattern: {meta['pattern']}"
-    elif member.type_name == "string":
-        bad = "a" * (meta[kind] + (1 if kind == "max" else -1))
+    elif member.type_name in ("string", "list"):
+        length = meta[kind] + (1 if kind == "max" else -1)
+        bad = "a" * length if member.type_name == "string" else [_minimal(member.member)] * length
         relation = "less than or equal to" if kind == "max" else "greater than or equal to"
         phrase = f"must have length {relation} {meta[kind]}"
     else:

@@ -2,7 +2,7 @@
 agent command, one that is not executable, one that exits at once) is started again with a
 backoff and then fails; the replacements of a slot whose nodes fail before their agent registers
 stop after a limit, and the cluster says why (its FailureMessage, an event; the node its
-Status.Message) instead of making nodes without end (hyperpod_sim/domain/recovery.py).
+Status.Message) instead of making nodes without end (hyperpod_sim/domain/nodes/recovery.py).
 
 Real agent processes from the local provisioner, on a control plane whose clock the test moves
 (ManualClock): the backoffs and deadlines pass when the test says, never against the machine's

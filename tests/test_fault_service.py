@@ -2,7 +2,7 @@
 
 The services are built as hyperpod_sim/api/app.py builds them, over a migrated database; a cluster is brought
 InService by the reconciler with simulated nodes on a manual clock. Node faults go to a provisioner
-that records what it was asked to do to the agents. Requests go through hyperpod_sim/api/extensions.py's
+that records what it was asked to do to the agents. Requests go through hyperpod_sim/api/simulator_api.py's
 dispatch (the model's validation, then the service) or straight to the service with typed
 arguments.
 """
@@ -15,16 +15,17 @@ from typing import Any
 
 import pytest
 
-from hyperpod_sim.api import extensions
-from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy, S3Endpoint
+from hyperpod_sim.api import simulator_api as extensions
+from hyperpod_sim.domain.checkpoints.cluster_policy import CheckpointPolicy, S3Endpoint
 from hyperpod_sim.domain.clock import Ids
-from hyperpod_sim.domain.clusters import ClusterService, DomainConfig
+from hyperpod_sim.domain.clusters.service import ClusterService, DomainConfig
 from hyperpod_sim.domain.errors import ConflictException, ResourceNotFound, ValidationException
 from hyperpod_sim.domain.faults import FAULT_TYPES, FaultService, FaultSpec
 from hyperpod_sim.domain.provisioning import SimulatedProvisioner
 from hyperpod_sim.domain.reconciler import Reconciler, ReconcilerConfig
 from hyperpod_sim.models import Cluster, Database, Node
-from tests.conftest import ROLE, ManualClock
+from hyperpod_sim.models.groups import InstanceGroupSpec
+from tests.conftest import ROLE, ManualClock, wait_for
 
 
 class RecordingProvisioner(SimulatedProvisioner):
@@ -122,12 +123,9 @@ def plane(sqlite_url: str) -> Iterator[Plane]:
     )
     provisioner = RecordingProvisioner()
     faults = FaultService(db=db, clock=clock, ids=ids, provisioner=provisioner, provisioning_mode="local")
-    group = {
-        "InstanceGroupName": "w",
-        "InstanceType": "ml.t3.medium",
-        "InstanceCount": 2,
-        "ExecutionRole": ROLE,
-    }
+    group = InstanceGroupSpec.from_wire(
+        {"InstanceGroupName": "w", "InstanceType": "ml.t3.medium", "InstanceCount": 2, "ExecutionRole": ROLE}
+    )
     clusters.create_cluster(name="svc", instance_groups=[group])
     for _ in range(10):
         reconciler.run_once()
@@ -260,12 +258,24 @@ def test_unknown_cluster_node_and_fault(plane: Plane) -> None:
 
 def test_a_database_outage_is_recorded_in_the_events(plane: Plane) -> None:
     fault = plane.dispatch("InjectControlPlaneFault", {"Type": "DatabaseOutage", "DurationSeconds": 5})
-    assert plane.faults.list_control_plane_faults() == [fault]
+    assert [f.wire() for f in plane.faults.list_control_plane_faults()] == [fault]
     cleared = plane.faults.clear_control_plane_fault(fault_id=fault["FaultId"])
-    assert cleared["FaultId"] == fault["FaultId"]
+    assert cleared.fault_id == fault["FaultId"]
     texts = plane.descriptions()
     assert any(text.startswith(f"Fault {fault['FaultId']} injected: DatabaseOutage") for text in texts)
     assert any(text.startswith(f"Fault {fault['FaultId']} ended: DatabaseOutage") for text in texts)
+
+
+def test_an_outage_over_but_not_yet_reported_is_reported_before_the_next(plane: Plane) -> None:
+    """The soak once injected a DatabaseHang between a DatabaseOutage's end and the reconciler's
+    next pass: the outage's end was never recorded."""
+    first = plane.dispatch("InjectControlPlaneFault", {"Type": "DatabaseOutage", "DurationSeconds": 1})
+    wait_for(lambda: plane.faults.list_control_plane_faults() == [], timeout=30, what="the outage over")
+    second = plane.dispatch("InjectControlPlaneFault", {"Type": "DatabaseOutage", "DurationSeconds": 600})
+    plane.faults.clear_control_plane_fault(fault_id=second["FaultId"])
+    texts = plane.descriptions()
+    ended = f"Fault {first['FaultId']} ended: DatabaseOutage (every database request fails, for 1 s); its 1 s"
+    assert any(text.startswith(ended) for text in texts), texts
 
 
 def test_checkpoint_policy(plane: Plane) -> None:
@@ -294,4 +304,9 @@ def test_a_spec_holds_what_its_type_requires(plane: Plane) -> None:
         "1 validation error detected: Value null at 'durationSeconds' failed to satisfy constraint: "
         "Member must not be null"
     )
+    # A type or error kind outside the model's enums is refused as the API refuses it, not stored.
+    with pytest.raises(ValidationException, match=r"at 'type' failed .* enum value set: \[AgentCrash, "):
+        FaultSpec(type="Meteor")  # type: ignore[arg-type]
+    with pytest.raises(ValidationException, match=r"at 'errorKind' failed .* \[Throttle, InternalError\]"):
+        FaultSpec(type="S3Errors", error_rate=0.5, error_kind="Slow")  # type: ignore[arg-type]
     assert plane.provisioner.calls == []

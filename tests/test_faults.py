@@ -5,7 +5,6 @@ reactions and the events that record them."""
 from __future__ import annotations
 
 import os
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +13,11 @@ import pytest
 
 from hyperpod_sim.infra.processes import find_agent_pids
 from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
-from tests.conftest import ControlPlane, shm_root_for, wait_for
-from tests.test_cli import hpsim, ok
-from tests.test_memory_tier import cluster, create_namespace, get, members, metric, put, replicated, url
-from tests.test_s3_tier import agent_settings, bucket, markers, moto_url, proxy, s3, save_step, set_policy
-
-# S3: moto's server behind the test proxy, the agents signing with dummy credentials (the fixtures
-# of test_s3_tier); the faults under test are injected in the agents' own S3 clients.
-__all__ = ["agent_settings", "bucket", "moto_url", "proxy", "s3"]
+from tests.conftest import SHARED_NETWORK, ControlPlane, shm_root_for, wait_for
+from tests.faults import answers, descriptions, node_loss_timeline, node_status, restart_story
+from tests.helpers import hpsim, ok
+from tests.s3_checkpoints import markers, save_step, set_policy
+from tests.tier import cluster, create_namespace, get, members, metric, put, replicated, url
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
@@ -32,50 +28,11 @@ def sm(agent_plane: ControlPlane) -> Any:
 
 
 @pytest.fixture
-def client(agent_plane: ControlPlane) -> Any:
-    with HyperPodClient(agent_plane.url) as running:
-        yield running
-
-
-def descriptions(client: HyperPodClient, name: str) -> list[str]:
-    """The cluster's event descriptions, oldest first."""
-    return [e["Description"] for e in reversed(client.events(name))]
-
-
-def when(client: HyperPodClient, name: str, prefix: str) -> datetime:
-    """The time of the event whose description starts with ``prefix``."""
-    found = [e["EventTime"] for e in client.events(name) if e["Description"].startswith(prefix)]
-    assert len(found) == 1, (prefix, descriptions(client, name))
-    event_time: datetime = found[0]
-    return event_time
-
-
-def node_loss_timeline(client: HyperPodClient, name: str, fault: dict[str, Any], *, replacement: str) -> None:
-    """A NodeLoss's events in order: injected, the node failed, replaced (by a node id starting
-    with ``replacement``), the fault ended; and the lost node's agent never restarted. Events of one
-    transaction share a timestamp: they are ordered by time, not by position."""
-    victim = fault["InstanceId"]
-    texts = descriptions(client, name)
-    injected = when(client, name, f"Fault {fault['FaultId']} injected: NodeLoss on node {victim}")
-    failed = when(client, name, f"Node {victim} failed: no heartbeat from its agent for 3 s.")
-    replaced = when(client, name, f"Node {victim} is replaced by {replacement}")
-    ended = when(client, name, f"Fault {fault['FaultId']} ended: NodeLoss on node {victim}; the node is")
-    assert injected < failed <= replaced <= ended, texts
-    assert not any("exited unexpectedly" in t for t in texts), texts
-
-
-def node_status(client: HyperPodClient, name: str, node_id: str) -> str | None:
-    for node in client.list_nodes(name):
-        if node["InstanceId"] == node_id:
-            return str(node["InstanceStatus"]["Status"])
-    return None
-
-
-def answers(endpoint: str) -> bool:
-    try:
-        return httpx.get(f"{endpoint}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+def agent_settings(s3_agent_settings: dict[str, Any], request: pytest.FixtureRequest) -> dict[str, Any]:
+    """S3: moto's server behind the test proxy, the agents signing with dummy credentials
+    (tests/plugins/s3.py); the faults under test are injected in the agents' own S3 clients. A
+    test's own settings (indirect) on top."""
+    return {**s3_agent_settings, **getattr(request, "param", {})}
 
 
 def applied(client: HyperPodClient, name: str, generation: int) -> bool:
@@ -89,6 +46,7 @@ def applied(client: HyperPodClient, name: str, generation: int) -> bool:
 # ---------------------------------------------------------------------- node faults
 
 
+@pytest.mark.parametrize("agent_settings", [SHARED_NETWORK], indirect=True)  # back on a new endpoint
 def test_agent_crash_restarts_the_agent_on_the_same_node(
     agent_plane: ControlPlane, sm: Any, client: HyperPodClient
 ) -> None:
@@ -117,7 +75,14 @@ def test_agent_crash_restarts_the_agent_on_the_same_node(
             return None
         return str(endpoint)
 
-    after = wait_for(restarted, timeout=60, what="the agent restarted on the same node")
+    after = wait_for(
+        restarted,
+        timeout=60,
+        what="the agent restarted on the same node",
+        explain=lambda: restart_story(
+            client, "crash", Path(agent_plane.services.settings.data_dir) / "agents" / victim
+        ),
+    )
     assert {n["InstanceId"] for n in client.list_nodes("crash")} == {n["InstanceId"] for n in nodes}
     # The shard saved before the crash is read back from this node's own shared memory.
     wait_for(lambda: metric(after, "hpsim_tier_shards") == 1, timeout=30, what="the shard recovered")
@@ -132,6 +97,7 @@ def test_agent_crash_restarts_the_agent_on_the_same_node(
     assert not any(t.startswith(f"Node {victim} failed") for t in texts), texts
 
 
+@pytest.mark.parametrize("agent_settings", [SHARED_NETWORK], indirect=True)  # back on another port
 def test_replicas_reach_a_peer_whose_agent_restarted_on_another_port(
     agent_plane: ControlPlane, sm: Any, client: HyperPodClient
 ) -> None:
@@ -146,7 +112,12 @@ def test_replicas_reach_a_peer_whose_agent_restarted_on_another_port(
         endpoint = (client.describe_node("moved", peer).get("AgentStatus") or {}).get("Endpoint")
         return endpoint if endpoint not in (None, url(nodes[1])) and answers(endpoint) else None
 
-    after = wait_for(moved, timeout=60, what="the peer's agent on a new port")
+    after = wait_for(
+        moved,
+        timeout=120,
+        what="the peer's agent on a new port",
+        explain=lambda: [(e["EventTime"], e["Description"]) for e in client.events("moved")],
+    )
     data = os.urandom(60_000)
     assert put(owner, "job", 0, 2, data).status_code == 200
     # The owner finds the peer at its new endpoint (it does not retry the old one until it gives up).
@@ -470,8 +441,9 @@ def test_faults_are_in_the_openapi_document(agent_plane: ControlPlane) -> None:
     assert "delete" in paths["/clusters/{name}/faults/{fault_id}"]
     outage = paths["/faults"]["post"]
     assert "hyperpod-sim extension" in outage["summary"]
-    schema = outage["requestBody"]["content"]["application/json"]["schema"]
-    assert schema["properties"]["Type"]["enum"] == ["DatabaseOutage"]
+    content = outage["requestBody"]["content"]["application/json"]
+    assert content["schema"]["properties"]["Type"]["enum"] == ["DatabaseOutage", "DatabaseHang"]
+    assert set(content["examples"]) == {"DatabaseOutage", "DatabaseHang"}
     assert "get" in paths["/faults"]
     assert "delete" in paths["/faults/{fault_id}"]
 

@@ -1,4 +1,4 @@
-"""The agent's HTTP server (``hyperpod_sim/agents/httpserver.py``) over real loopback sockets.
+"""The agent's HTTP server (``hyperpod_sim/agents/http/server.py``) over real loopback sockets.
 
 The server runs on its own event loop in a thread; the tests are its clients: ``http.client`` for
 ordinary requests, a raw socket where the bytes on the wire matter (short bodies, pipelining,
@@ -25,7 +25,7 @@ from urllib.parse import parse_qs
 
 import pytest
 
-from hyperpod_sim.agents.httpserver import (
+from hyperpod_sim.agents.http.server import (
     DRAIN_MAX_BYTES,
     MAX_HEADER_BYTES,
     BodyDeadlineExceeded,

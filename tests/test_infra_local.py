@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from hyperpod_sim.contracts.processes import start_time
 from hyperpod_sim.infra.local import LocalProvisioner
-from hyperpod_sim.infra.processes import Pidfile, signal_group, start_time
+from hyperpod_sim.infra.processes import Pidfile, signal_group
 from hyperpod_sim.models import Cluster, Node
 from tests.conftest import wait_for
 

@@ -12,8 +12,8 @@ from sqlalchemy import select
 from hyperpod_sim.contracts import limits
 from hyperpod_sim.models import Node
 from hyperpod_sim.settings import LimitSettings
+from tests.clusters import error_of, in_service
 from tests.conftest import ControlPlane, group, node_token, status_of
-from tests.test_semantics import error_of, in_service
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import EKS, ROLE, ControlPlane, wait_for
-from tests.helpers import run_ranks
+from tests.conftest import ControlPlane
+from tests.jobs import agents, run_job
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
@@ -22,45 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def sm(agent_plane: ControlPlane) -> Any:
     return agent_plane.client()
-
-
-def agents(sm: Any, plane: ControlPlane, name: str, count: int) -> list[str]:
-    sm.create_cluster(
-        ClusterName=name,
-        InstanceGroups=[
-            {
-                "InstanceGroupName": "workers",
-                "InstanceType": "ml.g5.2xlarge",  # 32 GiB: 6.4 MiB of budget at 20 % and scale 1/1024
-                "InstanceCount": count,
-                "ExecutionRole": ROLE,
-            }
-        ],
-        Orchestrator=EKS,
-        TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20},
-    )
-    wait_for(
-        lambda: sm.describe_cluster(ClusterName=name)["ClusterStatus"] == "InService",
-        timeout=90,
-        what="InService",
-    )
-    listing = httpx.get(f"{plane.url}/clusters/{name}/nodes").json()["ClusterNodeSummaries"]
-    return [n["AgentStatus"]["Endpoint"] for n in listing]
-
-
-def run_job(
-    tmp_path: Path,
-    urls: list[str],
-    world_size: int,
-    namespace: str,
-    steps: str,
-    load_step: int | None = None,
-    *,
-    extra: tuple[str, ...] = (),
-    env: dict[str, str] | None = None,
-) -> list[dict[str, Any]]:
-    """One training job: world_size rank processes, rank r talking to urls[r % len(urls)]."""
-    args = ["--steps", steps, *(() if load_step is None else ("--load-step", str(load_step))), *extra]
-    return run_ranks(tmp_path, "tests.dcp_worker", urls, world_size, namespace, *args, env=env).results()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -12,8 +12,10 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, select, text
 
+from hyperpod_sim.contracts.agent_bodies import S3TierStatus
 from hyperpod_sim.models import Base, ClientToken, Cluster, Database, Node
 from hyperpod_sim.models.db import alembic_config
+from hyperpod_sim.models.groups import ClusterExtra
 
 TABLES = {
     "checkpoint_namespaces",
@@ -24,6 +26,8 @@ TABLES = {
     "cluster_scheduler_configs",
     "clusters",
     "instance_groups",
+    "job_attempts",
+    "jobs",
     "node_attachments",
     "nodes",
     "tags",
@@ -72,7 +76,7 @@ def add_cluster(db: Database, name: str) -> None:
                 creation_time=now,
                 updated_time=now,
                 node_recovery="Automatic",
-                extra={},
+                extra=ClusterExtra(),
                 token="t" * 64,
                 bootstrap_token="b" * 64,
                 checkpoint_token="c" * 64,
@@ -100,7 +104,7 @@ def test_migrate_creates_the_schema(db: Database, database_url: str) -> None:
     add_cluster(db, "demo")
     with db.read() as session:
         cluster = session.scalars(select(Cluster)).one()
-        assert cluster.extra == {}
+        assert cluster.extra == ClusterExtra()
         assert cluster.creation_time == datetime(2026, 1, 1, tzinfo=UTC)
 
 
@@ -151,7 +155,7 @@ def test_downgrade_to_base_then_upgrade(db: Database, database_url: str) -> None
     assert cluster_names(db) == ["again"]
 
 
-def add_node(db: Database, cluster_id: str, node_id: str, s3_status: dict[str, object] | None) -> None:
+def add_node(db: Database, cluster_id: str, node_id: str, s3_status: S3TierStatus | None) -> None:
     now = datetime(2026, 1, 1, tzinfo=UTC)
     with db.write() as session:
         session.add(
@@ -174,7 +178,7 @@ def test_0006_node_s3_status(db: Database, database_url: str) -> None:
     """0006 adds the nullable JSON column nodes.s3_status; its downgrade drops only that column."""
     db.migrate()
     add_cluster(db, "s3status")
-    status = {"pending_steps": 1, "lag_seconds": 0.5, "last_persisted": {"job": 300}, "last_error": None}
+    status = S3TierStatus(pending_steps=1, lag_seconds=0.5, last_persisted={"job": 300}, last_error=None)
     add_node(db, "s3status", "i-0123456789abcdef0", status)
     with db.read() as session:
         node = session.get(Node, "i-0123456789abcdef0")

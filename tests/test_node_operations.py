@@ -8,37 +8,9 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from tests.conftest import ControlPlane, group, wait_for
-from tests.test_semantics import error_of, in_service
-
-MISSING = "i-0123456789abcdef0"
-
-
-def nodes(sm: Any, name: str) -> dict[str, dict[str, Any]]:
-    summaries = sm.list_cluster_nodes(ClusterName=name, IncludeNodeLogicalIds=True)["ClusterNodeSummaries"]
-    return {n["InstanceId"]: n for n in summaries}
-
-
-def statuses(sm: Any, name: str) -> dict[str, str]:
-    return {node_id: n["InstanceStatus"]["Status"] for node_id, n in nodes(sm, name).items()}
-
-
-def texts(sm: Any, name: str, node_id: str) -> list[str]:
-    found = sm.list_cluster_events(ClusterName=name, NodeId=node_id, SortOrder="Ascending")["Events"]
-    return [e["Description"] for e in found]
-
-
-def settle_nodes(cp: ControlPlane, sm: Any, name: str, count: int) -> dict[str, str]:
-    """Advance the clock until ``count`` nodes run and nothing else is there."""
-
-    def check() -> dict[str, str] | None:
-        cp.advance(60)
-        current = statuses(sm, name)
-        return current if list(current.values()) == ["Running"] * count else None
-
-    result: dict[str, str] = wait_for(check, timeout=30, what=f"{count} Running nodes in {name}")
-    return result
-
+from tests.clusters import error_of, in_service
+from tests.conftest import ControlPlane, group
+from tests.node_operations import MISSING, nodes, settle_nodes, statuses, texts
 
 # ---------------------------------------------------------------------- reboot
 

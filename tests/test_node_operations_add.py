@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperpod_sim.api.app import create_app
+from tests.clusters import error_of, in_service
 from tests.conftest import (
     ControlPlane,
     ManualClock,
@@ -16,8 +17,7 @@ from tests.conftest import (
     sagemaker_client,
     wait_status,
 )
-from tests.test_node_operations import nodes, settle_nodes
-from tests.test_semantics import error_of, in_service
+from tests.node_operations import nodes, settle_nodes
 
 
 def test_adds_nodes_with_logical_ids(control_plane: ControlPlane, sm: Any) -> None:

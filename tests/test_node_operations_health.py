@@ -7,10 +7,10 @@ from typing import Any
 
 import httpx
 
-from hyperpod_sim.domain.health_checks import DEEP_HEALTH_CHECK_S
+from hyperpod_sim.domain.node_operations.health_checks import DEEP_HEALTH_CHECK_S
+from tests.clusters import error_of, in_service
 from tests.conftest import ControlPlane, group, wait_for
-from tests.test_node_operations import settle_nodes, statuses, texts
-from tests.test_semantics import error_of, in_service
+from tests.node_operations import settle_nodes, statuses, texts
 
 CHECKS = ["InstanceStress", "InstanceConnectivity"]
 

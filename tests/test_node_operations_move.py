@@ -7,37 +7,21 @@ from typing import Any
 
 import pytest
 
+from tests.clusters import error_of, in_service
 from tests.conftest import EKS, ControlPlane, group, wait_for
-from tests.test_node_operations import MISSING, nodes, statuses, texts
-from tests.test_semantics import error_of, in_service
-
-CONTINUOUS = {"Orchestrator": EKS, "NodeProvisioningMode": "Continuous"}
-
-
-def arn(sm: Any, name: str) -> str:
-    value: str = sm.describe_cluster(ClusterName=name)["ClusterArn"]
-    return value
-
-
-def two_clusters(cp: ControlPlane, sm: Any, *, source: int = 3, minimum: int | None = None) -> None:
-    """``src``: workers (``source`` nodes) and a small group of another instance type; ``dst``:
-    workers (1 node). Both EKS, Continuous."""
-    extra = {} if minimum is None else {"MinInstanceCount": minimum}
-    in_service(
-        cp, sm, "src", group("workers", source, **extra), group("small", 1, "ml.g5.xlarge"), **CONTINUOUS
-    )
-    in_service(cp, sm, "dst", group("workers", 1), **CONTINUOUS)
-
-
-def where(
-    sm: Any, source_group: str = "workers", target: str = "dst", target_group: str = "workers"
-) -> dict[str, Any]:
-    return {
-        "SourceClusterArn": arn(sm, "src"),
-        "SourceInstanceGroupName": source_group,
-        "TargetClusterArn": arn(sm, target),
-        "TargetInstanceGroupName": target_group,
-    }
+from tests.node_operations import (
+    CONTINUOUS,
+    MISSING,
+    arn,
+    arrive,
+    nodes,
+    status,
+    statuses,
+    texts,
+    two_clusters,
+    where,
+    workers,
+)
 
 
 def counts(sm: Any, name: str) -> dict[str, tuple[int, int]]:
@@ -48,33 +32,12 @@ def counts(sm: Any, name: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def status(sm: Any, name: str, node_id: str) -> str:
-    found: str = sm.describe_cluster_node(ClusterName=name, NodeId=node_id)["NodeDetails"]["InstanceStatus"][
-        "Status"
-    ]
-    return found
-
-
-def arrive(cp: ControlPlane, sm: Any, node_id: str) -> None:
-    """Let the detach (the launch delay) pass until the node is in ``dst``."""
-
-    def there() -> bool:
-        cp.advance(60)
-        return node_id in statuses(sm, "dst")
-
-    wait_for(there, timeout=30, what=f"{node_id} in dst")
-
-
 def settle_in(cp: ControlPlane, sm: Any, node_id: str, name: str = "dst") -> None:
     def running() -> bool:
         cp.advance(60)
         return statuses(sm, name).get(node_id) == "Running"
 
     wait_for(running, timeout=30, what=f"{node_id} Running in {name}")
-
-
-def workers(sm: Any, name: str) -> list[str]:
-    return sorted(n for n, s in nodes(sm, name).items() if s["InstanceGroupName"] == "workers")
 
 
 # ---------------------------------------------------------------------- happy paths

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.clusters import in_service
 from tests.conftest import ControlPlane, group, wait_for
-from tests.test_node_operations import settle_nodes, statuses
-from tests.test_semantics import in_service
+from tests.node_operations import settle_nodes, statuses
 
 
 def newest(sm: Any, name: str) -> dict[str, Any]:

@@ -8,12 +8,11 @@ from typing import Any
 
 from sqlalchemy import select
 
-from hyperpod_sim.domain.software_update import INITIAL_RELEASE, LATEST_RELEASE
+from hyperpod_sim.domain.node_operations.software_update import INITIAL_RELEASE, LATEST_RELEASE
 from hyperpod_sim.models import Node
+from tests.clusters import error_of, in_service
 from tests.conftest import EKS, ControlPlane, group, wait_for
-from tests.test_node_operations import nodes, statuses
-from tests.test_node_operations_move import status, two_clusters, where
-from tests.test_semantics import error_of, in_service
+from tests.node_operations import nodes, status, statuses, two_clusters, where
 
 TIERED = {
     "Orchestrator": EKS,

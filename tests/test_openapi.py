@@ -3,7 +3,9 @@ its schema and an example that the schema takes (the live checks are tests/test_
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,8 +15,11 @@ import regex
 from openapi_schema_validator._regex import has_ecma_regex
 from openapi_spec_validator.validation import OpenAPIV31SpecValidator
 
+from hyperpod_sim.api import openapi_file
 from hyperpod_sim.api.app import create_app
 from tests.conftest import EKS, ControlPlane, group, make_settings
+
+PINNED = Path(__file__).resolve().parent.parent / "docs" / "openapi.json"
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +136,24 @@ def test_the_agent_routes_document_their_answers(document: dict[str, Any]) -> No
 def http(control_plane: ControlPlane) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=control_plane.url, timeout=30) as client:
         yield client
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_served_document_is_the_pinned_one(http: httpx.Client) -> None:
+    # docs/openapi.json is the contract a client generator or a reviewer reads: a change to the
+    # wire shows in its diff. After a deliberate change: make openapi.
+    response = http.get("/openapi.json")
+    assert response.status_code == 200
+    served = openapi_file.render(response.json())
+    pinned = PINNED.read_text(encoding="utf-8")
+    if served != pinned:
+        diff = difflib.unified_diff(
+            pinned.splitlines(), served.splitlines(), "docs/openapi.json", "served", lineterm="", n=2
+        )
+        pytest.fail(
+            "the served OpenAPI document differs from docs/openapi.json (regenerate it with "
+            "`make openapi` if the change is meant):\n" + "\n".join(list(diff)[:60])
+        )
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

@@ -1,5 +1,5 @@
 """The output drift walk: every output member of every cluster operation in botocore's model is
-returned, or listed as not applicable with its reason (hyperpod_sim/api/members.py NOT_RETURNED).
+returned, or listed as not applicable with its reason (hyperpod_sim/api/handlers/members.py NOT_RETURNED).
 
 The input drift walk (tests/test_shapes.py) proves every input constraint is enforced; this one
 proves no output member is forgotten. A scenario drives every served cluster operation through
@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from hyperpod_sim.api import members, shapes
-from hyperpod_sim.api.operations import OPERATIONS
+from hyperpod_sim.api import shapes
+from hyperpod_sim.api.handlers import members
+from hyperpod_sim.api.registry import OPERATIONS
 from tests.conftest import EKS, ROLE, ControlPlane, group
 
 # Cluster operations of the model this build does not serve yet, with who brings them (issue 15).

@@ -79,7 +79,7 @@ def test_the_sdk_extra_installs_no_server(wheel: Path, tmp_path: Path) -> None:
     python = str(venv / "bin" / "python")
 
     probe = (
-        "import sys, hyperpod_sim.sdk.client, hyperpod_sim.sdk.agent, hyperpod_sim.cluster_cli\n"
+        "import sys, hyperpod_sim.sdk.client, hyperpod_sim.sdk.agent, hyperpod_sim.cli.clusters\n"
         f"print(sorted(m for m in sys.modules if m.partition('.')[0] in {SERVER_MODULES!r} "
         f"or m.startswith({OURS_SERVER_SIDE!r})))\n"
     )
@@ -126,7 +126,7 @@ def test_the_server_and_trainer_extras_bring_what_they_promise(wheel: Path, tmp_
     venv, env = install(wheel, tmp_path / "server", "server")
     python = str(venv / "bin" / "python")
     probe = (
-        "import importlib.util, hyperpod_sim.api.app, hyperpod_sim.serving, hyperpod_sim.agents.main\n"
+        "import importlib.util, hyperpod_sim.api.app, hyperpod_sim.serve.process, hyperpod_sim.agents.main\n"
         "print(importlib.util.find_spec('torch'))\n"
     )
     done = subprocess.run(

@@ -23,10 +23,10 @@ from hyperpod_sim.agents.store import ReservationCancelled, ShardKey, ShardStore
 from hyperpod_sim.agents.tiermodel import Namespace
 from hyperpod_sim.contracts.shards import checksum_of
 from hyperpod_sim.sdk.checkpoint import TieredCheckpointConfig, TieredStorageReader, TieredStorageWriter
+from tests.clocks import ManualClock, StepClock
 from tests.conftest import ControlPlane
-from tests.test_memory_tier import cluster, create_namespace, latest, metric, url
-from tests.test_store import StepClock, read
-from tests.test_tier_parts import ManualClock
+from tests.store import read
+from tests.tier import cluster, create_namespace, latest, metric, url
 
 pytestmark = pytest.mark.patient_heartbeats
 

@@ -13,25 +13,31 @@ from __future__ import annotations
 
 import os
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.distributed.checkpoint import save
 
 from hyperpod_sim.infra.processes import find_agent_pids
-from hyperpod_sim.sdk.agent import discover_agent_url
-from hyperpod_sim.sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
 from hyperpod_sim.sdk.client import HyperPodClient
-from tests.conftest import ControlPlane, wait_for
+from tests.conftest import SHARED_NETWORK, ControlPlane, wait_for
+from tests.faults import descriptions, node_loss_timeline, node_status, restart_story, when
+from tests.resilience import (
+    EVERY,
+    NS,
+    RANK,
+    agent_of,
+    checkpoint,
+    config_for,
+    replaced,
+    restarted_agent,
+    resume,
+    start_save,
+    train,
+)
+from tests.s3_checkpoints import keys, markers, set_policy
 from tests.s3proxy import FaultyS3Proxy
-from tests.sdk_worker import same, training_state
-from tests.test_faults import answers, client, descriptions, node_loss_timeline, node_status, sm, when
-from tests.test_memory_tier import cluster, replicated, url
-from tests.test_s3_tier import agent_settings as s3_agent_settings
-from tests.test_s3_tier import bucket, keys, markers, moto_url, proxy, s3, set_policy
-
-# Fixtures: the control plane's clients (test_faults) and S3 (test_s3_tier: moto behind the proxy).
-__all__ = ["bucket", "client", "moto_url", "proxy", "s3", "s3_agent_settings", "sm"]
+from tests.tier import cluster, replicated, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
@@ -39,76 +45,22 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
 ]
 
-NS = "job"
-RANK = 0  # world size 1: the job's only rank
-EVERY = 2  # the trainer's in-memory checkpoint interval (steps)
+
+@pytest.fixture
+def sm(agent_plane: ControlPlane) -> Any:
+    return agent_plane.client()
 
 
 @pytest.fixture
 def agent_settings(s3_agent_settings: dict[str, Any], request: pytest.FixtureRequest) -> dict[str, Any]:
-    """test_s3_tier's agent settings (S3 through the proxy), with a test's own (indirect) on top."""
+    """The S3 tier's agent settings (S3 through the proxy, tests/plugins/s3.py), with a test's own
+    (indirect) on top."""
     extra: dict[str, Any] = getattr(request, "param", {})
-    return {**s3_agent_settings, **extra}
-
-
-# ---------------------------------------------------------------------- the trainer
-
-
-def config_for(agent: str) -> TieredCheckpointConfig:
-    return TieredCheckpointConfig(namespace=NS, world_size=1, agent_url=agent)
-
-
-def checkpoint(agent: str, step: int) -> None:
-    """A save of the state at ``step`` (``dcp.save``, committed when it returns)."""
-    save(training_state(step, RANK), storage_writer=TieredStorageWriter(config_for(agent), step=step))
-
-
-def train(agent: str, steps: range, *, save_every: int) -> int:
-    """Run ``steps``, saving to ``agent`` every ``save_every`` steps; the last step saved."""
-    saved = 0
-    for step in steps:
-        if step % save_every == 0:
-            checkpoint(agent, step)
-            saved = step
-    return saved
-
-
-def start_save(agent: str, step: int) -> None:
-    """The first half of an ``async_save``: the state staged into the agent's shared memory, not
-    committed (the fault hits before the save's background half runs)."""
-    TieredStorageWriter(config_for(agent), step=step).stage(training_state(step, RANK))
-
-
-def resume(agent: str) -> Loaded:
-    """What a restarted trainer does: ``load_latest`` into a state of the same shape. The state
-    restored is exactly the one saved at the step it reports."""
-    state = training_state(987, RANK)
-    loaded = load_latest(state, config_for(agent))
-    assert same(state, training_state(loaded.step, RANK)), f"step {loaded.step} came back altered"
-    return loaded
-
-
-def agent_of(plane: ControlPlane, name: str, node_id: str) -> str:
-    """The agent a pod on ``node_id`` finds, from its environment (sdk.agent.discover_agent_url)."""
-    return discover_agent_url(
-        {"HPSIM_CONTROL_PLANE_URL": plane.url, "HPSIM_CLUSTER": name, "HPSIM_NODE_ID": node_id}
-    )
+    provisioning = {**SHARED_NETWORK["provisioning"], **extra.get("provisioning", {})}
+    return {**s3_agent_settings, **extra, "provisioning": provisioning}
 
 
 # ---------------------------------------------------------------------- the cluster
-
-
-def replaced(client: HyperPodClient, name: str, lost: set[str], count: int) -> list[str] | None:
-    """The cluster's node ids once none of ``lost`` is left and ``count`` nodes run, each with an
-    agent that answers; None before."""
-    nodes = client.list_nodes(name)
-    ids = {n["InstanceId"] for n in nodes}
-    if ids & lost or len(nodes) != count or any(n["InstanceStatus"]["Status"] != "Running" for n in nodes):
-        return None
-    endpoints = [(n.get("AgentStatus") or {}).get("Endpoint") for n in nodes]
-    if not all(endpoint and answers(endpoint) for endpoint in endpoints):
-        return None
-    return sorted(ids)
 
 
 def injected(client: HyperPodClient, name: str, fault: dict[str, Any], what: str) -> str:
@@ -118,19 +70,6 @@ def injected(client: HyperPodClient, name: str, fault: dict[str, Any], what: str
     assert len(found) == 1, (prefix, descriptions(client, name))
     assert found[0].endswith(what), found[0]
     return found[0]
-
-
-def restarted_agent(client: HyperPodClient, name: str, node_id: str, *, other_than: str) -> str | None:
-    """The endpoint of the node's agent once it runs again (a new endpoint that answers)."""
-    node = client.describe_node(name, node_id)
-    endpoint = (node.get("AgentStatus") or {}).get("Endpoint")
-    if (
-        node["InstanceStatus"]["Status"] != "Running"
-        or endpoint in (None, other_than)
-        or not answers(endpoint)
-    ):
-        return None
-    return str(endpoint)
 
 
 # ---------------------------------------------------------------------- the faults
@@ -152,6 +91,9 @@ def test_agent_crash_resumes_from_the_nodes_own_memory(
         lambda: restarted_agent(client, "crash", victim, other_than=before),
         timeout=60,
         what="the agent restarted on the same node",
+        explain=lambda: restart_story(
+            client, "crash", Path(agent_plane.services.settings.data_dir) / "agents" / victim
+        ),
     )
     # The trainer on this node finds its agent again through the control plane.
     assert agent_of(agent_plane, "crash", victim) == after

@@ -15,10 +15,9 @@ import httpx
 import pytest
 
 from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
-from tests.conftest import EKS, ROLE, ControlPlane, wait_for
-from tests.test_faults import client, descriptions, sm, when
-from tests.test_memory_tier import cluster, members, replicated, url
-from tests.test_resilience import (
+from tests.conftest import EKS, ROLE, SHARED_NETWORK, ControlPlane, wait_for
+from tests.faults import descriptions, when
+from tests.resilience import (
     EVERY,
     RANK,
     agent_of,
@@ -29,20 +28,8 @@ from tests.test_resilience import (
     start_save,
     train,
 )
-from tests.test_resilience import agent_settings as resilience_agent_settings
-from tests.test_s3_tier import agent_settings as s3_agent_settings
-from tests.test_s3_tier import bucket, markers, moto_url, proxy, s3, set_policy
-
-__all__ = [
-    "bucket",
-    "client",
-    "moto_url",
-    "proxy",
-    "resilience_agent_settings",
-    "s3",
-    "s3_agent_settings",
-    "sm",
-]
+from tests.s3_checkpoints import markers, set_policy
+from tests.tier import cluster, members, replicated, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
@@ -51,8 +38,15 @@ pytestmark = [
 
 
 @pytest.fixture
-def agent_settings(resilience_agent_settings: dict[str, Any]) -> dict[str, Any]:
-    return resilience_agent_settings
+def sm(agent_plane: ControlPlane) -> Any:
+    return agent_plane.client()
+
+
+@pytest.fixture
+def agent_settings(s3_agent_settings: dict[str, Any]) -> dict[str, Any]:
+    """S3 through the test proxy (tests/plugins/s3.py), on the shared network, as in
+    tests/test_resilience.py (these tests tell an agent started again by its new endpoint)."""
+    return {**s3_agent_settings, **SHARED_NETWORK}
 
 
 def steps_view(client: HyperPodClient, name: str) -> dict[int, dict[str, Any]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from datetime import datetime
 from typing import Any
 
 import httpx
@@ -17,33 +16,17 @@ from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from hyperpod_sim.api.operations import OPERATIONS
+from hyperpod_sim.api.registry import OPERATIONS
 from hyperpod_sim.api.rest import ROUTES
 from tests.conftest import EKS, ControlPlane, group, wait_for
+from tests.rest import describe, node_ids, settle, wire
 
 AMZ_JSON = "application/x-amz-json-1.1"
 NAME_PATTERN = "[a-zA-Z0-9](-*[a-zA-Z0-9])*"
 
 
-@pytest.fixture
-def http(control_plane: ControlPlane) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=control_plane.url, timeout=30) as client:
-        yield client
-
-
 def create_body(name: str, count: int = 2) -> dict[str, Any]:
     return {"ClusterName": name, "InstanceGroups": [group("workers", count)], "Orchestrator": EKS}
-
-
-def wire(value: Any) -> Any:
-    """A boto3 result in wire form: datetimes as epoch seconds, ResponseMetadata dropped."""
-    if isinstance(value, datetime):
-        return value.timestamp()
-    if isinstance(value, dict):
-        return {k: wire(v) for k, v in value.items() if k != "ResponseMetadata"}
-    if isinstance(value, list):
-        return [wire(v) for v in value]
-    return value
 
 
 def create(http: httpx.Client, name: str, count: int = 2) -> str:
@@ -51,29 +34,6 @@ def create(http: httpx.Client, name: str, count: int = 2) -> str:
     assert response.status_code == 200, response.text
     arn: str = response.json()["ClusterArn"]
     return arn
-
-
-def describe(http: httpx.Client, name: str) -> dict[str, Any]:
-    response = http.get(f"/clusters/{name}")
-    assert response.status_code == 200, response.text
-    body: dict[str, Any] = response.json()
-    return body
-
-
-def settle(control_plane: ControlPlane, http: httpx.Client, name: str) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        control_plane.advance(60)
-        body = describe(http, name)
-        return body if body["ClusterStatus"] == "InService" else None
-
-    result: dict[str, Any] = wait_for(check, what=f"cluster {name} to be InService")
-    return result
-
-
-def node_ids(http: httpx.Client, name: str) -> list[str]:
-    response = http.get(f"/clusters/{name}/nodes")
-    assert response.status_code == 200, response.text
-    return [n["InstanceId"] for n in response.json()["ClusterNodeSummaries"]]
 
 
 # ------------------------------------------------------------------------------------ REST routes

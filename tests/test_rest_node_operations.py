@@ -10,12 +10,10 @@ import httpx
 import pytest
 
 from hyperpod_sim.api.rest import ROUTES
-from hyperpod_sim.domain.health_checks import DEEP_HEALTH_CHECK_S
+from hyperpod_sim.domain.node_operations.health_checks import DEEP_HEALTH_CHECK_S
 from tests.conftest import EKS, ControlPlane, group, wait_for
-from tests.test_node_operations_move import arrive, two_clusters, where, workers
-from tests.test_rest import describe, http, node_ids, settle, wire
-
-__all__ = ["http"]  # the fixture, shared with tests/test_rest.py
+from tests.node_operations import arrive, two_clusters, where, workers
+from tests.rest import describe, node_ids, settle, wire
 
 NODE_OPERATIONS = {
     "BatchRebootClusterNodes": ("POST", "/clusters/{name}/nodes/batch-reboot"),

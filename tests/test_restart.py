@@ -40,11 +40,8 @@ from tests.conftest import (
     shm_root_for,
     wait_for,
 )
+from tests.s3_checkpoints import CREDENTIALS, keys, markers
 from tests.sdk_worker import same, training_state
-from tests.test_s3_tier import CREDENTIALS, bucket, keys, markers, moto_url, s3
-
-# Fixtures: moto's S3 server and a bucket of this test's own (test_s3_tier).
-__all__ = ["bucket", "moto_url", "s3"]
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -25,8 +25,8 @@ from pydantic import SecretStr
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
 from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity
 from hyperpod_sim.agents.state import AgentState
-from hyperpod_sim.embedded_s3 import DUMMY_CREDENTIALS, agent_credentials, start_moto_s3
 from hyperpod_sim.infra.processes import find_agent_pids
+from hyperpod_sim.serve.embedded_s3 import DUMMY_CREDENTIALS, agent_credentials, start_moto_s3
 from hyperpod_sim.settings import S3Settings
 from tests.conftest import (
     EKS,

@@ -8,77 +8,28 @@ import json
 import os
 import random
 import signal
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import httpx
 import pytest
-from moto.server import ThreadedMotoServer
 
 from hyperpod_sim.infra.processes import find_agent_pids
-from tests.conftest import ControlPlane, free_port, wait_for
+from tests.conftest import SHARED_NETWORK, ControlPlane, free_port, wait_for
+from tests.jobs import agents, run_job
+from tests.s3_checkpoints import CREDENTIALS, keys, markers, s3_through_proxy, save_step, set_policy
 from tests.s3proxy import FaultyS3Proxy
-from tests.test_memory_tier import cluster, create_namespace, get, latest, meta, metric, put, url
-from tests.test_memory_tier_library import agents, run_job
+from tests.tier import cluster, create_namespace, get, latest, meta, metric, put, url
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-
 
 @pytest.fixture
-def proxy(moto_url: str) -> Iterator[FaultyS3Proxy]:
-    with FaultyS3Proxy(moto_url) as running:
-        yield running
-
-
-@pytest.fixture
-def agent_settings(proxy: FaultyS3Proxy, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    return s3_through_proxy(proxy, monkeypatch)
-
-
-def s3_through_proxy(proxy: FaultyS3Proxy, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Agents (children of this process) sign with dummy credentials and reach S3 through the proxy."""
-    for key, value in CREDENTIALS.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("HPSIM_AGENT_DRAIN_TIMEOUT_S", "20")
-    return {"s3": {"endpoint_url": proxy.url, "embedded": False}}
-
-
-@pytest.fixture
-def s3(moto_url: str) -> Any:
-    return boto3.client(
-        "s3",
-        endpoint_url=moto_url,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-
-
-@pytest.fixture
-def bucket(s3: Any) -> str:
-    name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    s3.create_bucket(Bucket=name)
-    return name
+def agent_settings(
+    proxy: FaultyS3Proxy, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> dict[str, Any]:
+    """S3 through the proxy, with a test's own settings (indirect) on top."""
+    return {**s3_through_proxy(proxy, monkeypatch), **getattr(request, "param", {})}
 
 
 @pytest.fixture
@@ -86,40 +37,9 @@ def sm(agent_plane: ControlPlane) -> Any:
     return agent_plane.client()
 
 
-def set_policy(plane: ControlPlane, sm: Any, name: str, **policy: Any) -> None:
-    response = httpx.put(f"{plane.url}/clusters/{name}/checkpoint-policy", json=policy)
-    assert response.status_code == 200, response.text
-    wait_for(
-        lambda: sm.describe_cluster(ClusterName=name)["ClusterStatus"] == "InService",
-        timeout=60,
-        what="the policy rollout",
-    )
-
-
-def keys(s3: Any, bucket: str, prefix: str = "") -> set[str]:
-    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return {item["Key"] for page in pages for item in page.get("Contents", [])}
-
-
-def markers(s3: Any, bucket: str, prefix: str) -> list[int]:
-    found = keys(s3, bucket, f"{prefix}_committed/")
-    return sorted(int(k.rsplit("step_", 1)[1].removesuffix(".json")) for k in found)
-
-
 def marker(s3: Any, bucket: str, key: str) -> dict[str, Any]:
     doc: dict[str, Any] = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     return doc
-
-
-def save_step(nodes: list[str], ns: str, step: int, world: int, *, size: int = 50_000) -> dict[int, bytes]:
-    """Every data rank through its own node's agent (rank r on node r % n), then the metadata rank
-    (rank ``world``) through node 0, as DCP does: metadata last."""
-    shards = {rank: os.urandom(size + rank) for rank in range(world)}
-    shards[world] = f"metadata of step {step}".encode()
-    for rank in range(world + 1):
-        response = put(nodes[rank % len(nodes)] if rank < world else nodes[0], ns, rank, step, shards[rank])
-        assert response.status_code == 200, response.text
-    return shards
 
 
 def running_agent(plane: ControlPlane, name: str, *, other_than: str) -> str | None:
@@ -239,6 +159,7 @@ def test_s3_faults_are_retried_and_never_leave_a_false_marker(
     wait_for(lambda: metric(nodes[0], "hpsim_s3_pending_steps") == 0, timeout=30, what="no lag")
 
 
+@pytest.mark.parametrize("agent_settings", [SHARED_NETWORK], indirect=True)  # back on a new endpoint
 def test_an_upload_that_dies_leaves_no_marker_and_is_cleaned_up(
     agent_plane: ControlPlane, sm: Any, s3: Any, bucket: str, proxy: FaultyS3Proxy
 ) -> None:

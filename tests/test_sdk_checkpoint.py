@@ -13,12 +13,9 @@ import httpx
 import pytest
 
 from tests.conftest import ControlPlane, wait_for
-from tests.helpers import run_ranks
-from tests.test_memory_tier import cluster, latest, put, replicated, url
-from tests.test_s3_tier import agent_settings, bucket, markers, moto_url, proxy, s3, set_policy
-
-# S3 for the fallback test: moto behind the test proxy (the fixtures of test_s3_tier).
-__all__ = ["agent_settings", "bucket", "moto_url", "proxy", "s3"]
+from tests.jobs import run
+from tests.s3_checkpoints import markers, set_policy
+from tests.tier import cluster, latest, put, replicated, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
@@ -32,14 +29,10 @@ def sm(agent_plane: ControlPlane) -> Any:
     return agent_plane.client()
 
 
-def run(
-    tmp_path: Path, urls: list[str], world: int, ns: str, *args: str, expect_ok: bool = True
-) -> list[dict[str, Any]]:
-    """One job: ``world`` rank processes, rank r through urls[r % len(urls)]."""
-    job = run_ranks(tmp_path, "tests.sdk_worker", urls, world, ns, *args, append_logs=True)
-    if expect_ok:
-        return job.results()
-    return [json.loads(out.read_text()) for out in job.outs]
+@pytest.fixture
+def agent_settings(s3_agent_settings: dict[str, Any]) -> dict[str, Any]:
+    """S3 for the fallback test: moto behind the test proxy (tests/plugins/s3.py)."""
+    return s3_agent_settings
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -117,3 +110,46 @@ def test_resume_picks_the_newest_complete_step(agent_plane: ControlPlane, sm: An
     assert latest(urls[0], "job")[0] == 3
     resumed = run(tmp_path, urls, 2, "job", "--load")
     assert all(r["equal"] and r["loaded_step"] == 2 for r in resumed), resumed
+
+
+def test_a_step_saved_twice_loads_one_save_from_every_node_and_from_s3(
+    agent_plane: ControlPlane, sm: Any, tmp_path: Path, s3: Any, bucket: str
+) -> None:
+    n1, n2, n3 = (url(n) for n in cluster(sm, agent_plane, "twice", 3, instance_type="ml.g5.2xlarge"))
+    set_policy(agent_plane, sm, "twice", S3BaseUri=f"s3://{bucket}/t", PersistEverySteps=1)
+    # Run 1, both ranks on node 1: steps 1-4, then step 5's shards are stored and the coordinator
+    # dies in finish, before the metadata.
+    died = run(tmp_path, [n1], 2, "job", "--save", "1,2,3,4", "--crash-in-finish", "5", expect_ok=False)
+    assert all(r["died_in_finish"] == 5 for r in died)
+    wait_for(lambda: 4 in markers(s3, bucket, "t/job/"), timeout=60, what="step 4 on S3")
+    # Run 2, the ranks now on node 2: resumes from step 4 and saves step 5 again.
+    resumed = run(tmp_path, [n2], 2, "job", "--load", "--run", "2")
+    assert all(r["loaded_step"] == 4 and r["loaded_run"] == 1 for r in resumed), resumed
+    run(tmp_path, [n2], 2, "job", "--save", "5", "--run", "2")
+    wait_for(lambda: 5 in markers(s3, bucket, "t/job/"), timeout=60, what="step 5 on S3")
+    # Whichever nodes the ranks restore on, step 5 is run 2's save, whole: rank 0 on node 1
+    # (which held run 1's uncommitted step 5) and rank 1 on node 2, then both on node 1.
+    for urls in ([n1, n2], [n1]):
+        loaded = run(tmp_path, urls, 2, "job", "--load")
+        assert [(r["loaded_step"], r["loaded_run"]) for r in loaded] == [(5, 2), (5, 2)], loaded
+        assert all(r["skipped"] == {} for r in loaded), loaded
+    # Node 1 no longer holds run 1's step 5: another save's shards go once run 2's committed (an
+    # agent too busy to answer the drop at once is asked again). It may hold run 2's as a replica
+    # of node 2's (where the ring puts node 2's replicas), never run 1's.
+    run2 = {rank: httpx.get(f"{n2}/v1/fast/shards/job/{rank}/5").json()["checksum"] for rank in (0, 1)}
+
+    def only_run_2_on_node_1() -> bool:
+        held = [httpx.get(f"{n1}/v1/fast/shards/job/{rank}/5") for rank in (0, 1)]
+        return all(r.status_code == 404 or r.json()["checksum"] == run2[rank] for rank, r in enumerate(held))
+
+    wait_for(only_run_2_on_node_1, timeout=90, what="run 1's shards of step 5 dropped on node 1")
+    # Every copy in memory gone: S3 serves step 5, run 2's save, named by its marker.
+    for rank in range(3):
+        assert httpx.delete(f"{n1}/v1/cp/checkpoints/job/{rank}/5").status_code == 200
+    marker = json.loads(s3.get_object(Bucket=bucket, Key="t/job/_committed/step_5.json")["Body"].read())
+    assert marker["save"] is not None
+    from_s3 = run(tmp_path, [n3], 2, "job", "--load")
+    assert [(r["loaded_step"], r["loaded_run"], r["served_by"]) for r in from_s3] == [
+        (5, 2, {"0": "s3"}),
+        (5, 2, {"1": "s3"}),
+    ], from_s3

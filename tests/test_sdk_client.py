@@ -4,6 +4,7 @@ the AWS code."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from sqlalchemy import select
 from hyperpod_sim.models import Cluster
 from hyperpod_sim.sdk.client import ClusterError, HyperPodClient, WaitTimeout
 from tests.conftest import EKS, ControlPlane, free_port, group
-from tests.test_memory_tier import cluster as tiered_cluster
+from tests.tier import cluster as tiered_cluster
 
 pytestmark = pytest.mark.patient_heartbeats
 
@@ -229,7 +230,9 @@ def test_nodes_carry_their_agent_status(agent_plane: ControlPlane) -> None:
         assert sorted(n["InstanceId"] for n in nodes) == sorted(m["InstanceId"] for m in members)
         for node in nodes:
             agent = node["AgentStatus"]
-            assert agent["Endpoint"].startswith("http://127.0.0.1:")
+            assert re.fullmatch(r"http://127\.77\.\d+\.\d+:9200", agent["Endpoint"]), (
+                agent
+            )  # its node's address
             assert agent["AppliedPolicyGeneration"] == 1
             details = client.describe_node("agents", node["InstanceId"])
             assert details["AgentStatus"]["DesiredPolicyGeneration"] == 1

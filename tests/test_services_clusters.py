@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from hyperpod_sim.domain import events
-from hyperpod_sim.domain.clusters import ClusterService
+from hyperpod_sim.domain.clusters.service import ClusterService
 from hyperpod_sim.domain.errors import (
     ConflictException,
     InternalFailure,
@@ -27,7 +27,8 @@ from hyperpod_sim.domain.lifecycle import (
     check_transition,
 )
 from hyperpod_sim.models import Cluster, Database
-from tests.conftest import EKS, ManualClock, group
+from hyperpod_sim.models.groups import ResourceTag, TieredStorage
+from tests.conftest import EKS, ManualClock, group_spec
 from tests.service_fakes import (
     CountingIds,
     FakeProvisioner,
@@ -61,10 +62,10 @@ def test_create_cluster_is_creating_with_its_groups_and_an_event(
     service.on_change = lambda: changes.append(None)
     created = service.create_cluster(
         name="one",
-        instance_groups=[group("a", 2), group("b", 1)],
-        tags=[{"Key": "team", "Value": "ml"}],
+        instance_groups=[group_spec("a", 2), group_spec("b", 1)],
+        tags=[ResourceTag(key="team", value="ml")],
         orchestrator=EKS,
-        tiered_storage={"Mode": "Enable"},
+        tiered_storage=TieredStorage(mode="Enable"),
     )
     assert created.arn == f"arn:aws:sagemaker:us-east-1:123456789012:cluster/{created.id}"
     cluster = load(db, "one")
@@ -74,7 +75,7 @@ def test_create_cluster_is_creating_with_its_groups_and_an_event(
         ("b", "Creating", 1),
     ]
     # The default memory share is filled in.
-    assert cluster.tiered_storage == {"Mode": "Enable", "InstanceMemoryAllocationPercentage": 20}
+    assert cluster.tiered_storage == TieredStorage(mode="Enable", instance_memory_allocation_percentage=20)
     assert descriptions(db, "one") == ["Cluster creation started with 3 nodes in 2 instance groups."]
     assert changes == [None]  # the reconciler is woken
 
@@ -84,30 +85,30 @@ def test_create_cluster_is_creating_with_its_groups_and_an_event(
     [
         ({}, ValidationException, "CreateCluster needs at least one instance group"),
         (
-            {"instance_groups": [group("a"), group("a")]},
+            {"instance_groups": [group_spec("a"), group_spec("a")]},
             ValidationException,
             "Instance group name 'a' appears more than once",
         ),
         (
             {
                 "instance_groups": [
-                    {**group("a"), "InstanceRequirements": {"InstanceTypes": ["ml.p5.48xlarge"]}}
+                    group_spec("a", InstanceRequirements={"InstanceTypes": ["ml.p5.48xlarge"]})
                 ]
             },
             ValidationException,
             "must specify exactly one of InstanceType or InstanceRequirements",
         ),
-        ({"instance_groups": [group("a", 17)]}, ResourceLimitExceeded, "over the account limit of 16"),
+        ({"instance_groups": [group_spec("a", 17)]}, ResourceLimitExceeded, "over the account limit of 16"),
         (
-            {"instance_groups": [group("a")], "tiered_storage": {"Mode": "Enable"}},
+            {"instance_groups": [group_spec("a")], "tiered_storage": TieredStorage(mode="Enable")},
             ValidationException,
             "requires an EKS-orchestrated cluster",
         ),
         (
             {
-                "instance_groups": [group("a")],
+                "instance_groups": [group_spec("a")],
                 "orchestrator": EKS,
-                "tiered_storage": {"Mode": "Enable", "InstanceMemoryAllocationPercentage": 10},
+                "tiered_storage": TieredStorage(mode="Enable", instance_memory_allocation_percentage=10),
             },
             ValidationException,
             "InstanceMemoryAllocationPercentage 10 is out of range",
@@ -124,33 +125,33 @@ def test_create_cluster_rules(
 
 
 def test_create_cluster_name_in_use_and_cluster_limit(service: ClusterService) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 1)])
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 1)])
     with pytest.raises(ResourceInUse, match=r"Cluster with name 'one' already exists\."):
-        service.create_cluster(name="one", instance_groups=[group("a", 1)])
-    service.create_cluster(name="two", instance_groups=[group("a", 1)])
-    service.create_cluster(name="three", instance_groups=[group("a", 1)])
+        service.create_cluster(name="one", instance_groups=[group_spec("a", 1)])
+    service.create_cluster(name="two", instance_groups=[group_spec("a", 1)])
+    service.create_cluster(name="three", instance_groups=[group_spec("a", 1)])
     with pytest.raises(ResourceLimitExceeded, match="already has 3 clusters, the limit is 3"):
-        service.create_cluster(name="four", instance_groups=[group("a", 1)])
+        service.create_cluster(name="four", instance_groups=[group_spec("a", 1)])
 
 
 def test_update_and_delete_conflict_until_in_service(service: ClusterService) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 1)])
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 1)])
     with pytest.raises(ConflictException, match="is Creating; UpdateCluster is accepted only"):
-        service.update_cluster(name="one", instance_groups=[group("a", 2)])
+        service.update_cluster(name="one", instance_groups=[group_spec("a", 2)])
     with pytest.raises(ConflictException, match="is Creating; DeleteCluster is accepted only"):
         service.delete_cluster(name="one")
     with pytest.raises(ResourceNotFound, match=r"Cluster 'nope' does not exist\."):
-        service.update_cluster(name="nope", instance_groups=[group("a", 2)])
+        service.update_cluster(name="nope", instance_groups=[group_spec("a", 2)])
 
 
 def test_update_cluster_starts_a_rollout(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 1), group("b", 1)])
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 1), group_spec("b", 1)])
     in_service(db, clock, ids)
     assert load(db, "one").status == "InService"
     service.update_cluster(
-        name="one", instance_groups=[group("a", 3), group("c", 1)], instance_groups_to_delete=["b"]
+        name="one", instance_groups=[group_spec("a", 3), group_spec("c", 1)], instance_groups_to_delete=["b"]
     )
     cluster = load(db, "one")
     assert (cluster.status, cluster.generation) == ("Updating", 2)
@@ -176,11 +177,14 @@ def test_update_cluster_starts_a_rollout(
             "InstanceGroupsToDelete names 'z', which is not an instance group",
         ),
         (
-            {"instance_groups": [group("a", 2)], "instance_groups_to_delete": ["a"]},
+            {"instance_groups": [group_spec("a", 2)], "instance_groups_to_delete": ["a"]},
             "Instance group 'a' is both updated and deleted in one request.",
         ),
-        ({"instance_groups": [group("a", 1, "ml.g5.2xlarge")]}, "the instance type of an existing group"),
-        ({"instance_groups": [group("a", 20)]}, "over the account limit of 16"),
+        (
+            {"instance_groups": [group_spec("a", 1, "ml.g5.2xlarge")]},
+            "the instance type of an existing group",
+        ),
+        ({"instance_groups": [group_spec("a", 20)]}, "over the account limit of 16"),
     ],
 )
 def test_update_cluster_rules(
@@ -191,7 +195,7 @@ def test_update_cluster_rules(
     arguments: dict[str, Any],
     message: str,
 ) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 1)])
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 1)])
     in_service(db, clock, ids)
     with pytest.raises((ValidationException, ResourceLimitExceeded), match=message):
         service.update_cluster(name="one", **arguments)
@@ -202,7 +206,7 @@ def test_update_cluster_rules(
 def test_delete_cluster_moves_it_and_its_groups_to_deleting(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 2)])
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 2)])
     in_service(db, clock, ids)
     service.delete_cluster(name="one")
     cluster = load(db, "one")
@@ -219,7 +223,7 @@ def test_delete_cluster_moves_it_and_its_groups_to_deleting(
 def test_batch_delete_cluster_nodes_shuts_them_down_and_bumps_the_generation(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 3)])
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 3)])
     in_service(db, clock, ids)
     victim = load(db, "one").nodes[0]
     by_id, _ = service.batch_delete_cluster_nodes(name="one", node_ids=[victim.id, "i-missing"])
@@ -248,7 +252,7 @@ def test_transitions_are_declared() -> None:
 def test_move_checks_and_records_and_bump_generation(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 1)])
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 1)])
     in_service(db, clock, ids)
     with db.write() as session:
         cluster = session.scalars(select(Cluster).where(Cluster.name == "one")).one()

@@ -11,17 +11,19 @@ from typing import TypeVar
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
 from hyperpod_sim.domain import events
-from hyperpod_sim.domain.clusters import ClusterService
+from hyperpod_sim.domain.checkpoints.pushes import claim_pushes
+from hyperpod_sim.domain.clusters.service import ClusterService
 from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus
-from hyperpod_sim.domain.node_operations import NodeOperations
+from hyperpod_sim.domain.node_operations.reboot_replace import NodeOperations
 from hyperpod_sim.domain.outcome import Outcome
-from hyperpod_sim.domain.pushes import claim_pushes
 from hyperpod_sim.domain.reconciler import Reconciler
 from hyperpod_sim.models import Cluster, Database, Node
-from tests.conftest import EKS, ManualClock, free_port, group
+from hyperpod_sim.models.groups import ResourceTag, TieredStorage
+from tests.conftest import EKS, ManualClock, free_port, group_spec
 from tests.service_fakes import (
     CountingIds,
     FakeProvisioner,
@@ -68,7 +70,7 @@ def statuses(db: Database, name: str) -> list[str]:
 def test_scale_groups_launches_to_the_target_and_brings_nodes_up(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="sim", instance_groups=[group("a", 2)])
+    service.create_cluster(name="sim", instance_groups=[group_spec("a", 2)])
     provisioner = FakeProvisioner(ready=False)
     reconciler = make_reconciler(db, clock, ids, provisioner)
     outcome = phase(db, "sim", lambda s, c: reconciler.scale_groups(s, c, clock.now()))
@@ -84,7 +86,7 @@ def test_scale_groups_launches_to_the_target_and_brings_nodes_up(
 def test_scale_groups_with_agents_asks_for_launches(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="agents", instance_groups=[group("a", 2)])
+    service.create_cluster(name="agents", instance_groups=[group_spec("a", 2)])
     reconciler = make_reconciler(db, clock, ids, FakeProvisioner(uses_agents=True))
     outcome = phase(db, "agents", lambda s, c: reconciler.scale_groups(s, c, clock.now()))
     nodes = load(db, "agents").nodes
@@ -96,7 +98,7 @@ def test_scale_groups_with_agents_asks_for_launches(
 def test_scale_down_shuts_down_failed_then_pending_then_newest(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="big", instance_groups=[group("a", 4)])
+    service.create_cluster(name="big", instance_groups=[group_spec("a", 4)])
     reconciler = make_reconciler(db, clock, ids, FakeProvisioner())
     reconciler.run_once()
     with locked(db, "big") as (session, cluster):
@@ -114,7 +116,7 @@ def test_scale_down_shuts_down_failed_then_pending_then_newest(
 def test_remove_stopped_nodes_waits_for_the_agent(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 2)])
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 2)])
     provisioner = FakeProvisioner()
     reconciler = make_reconciler(db, clock, ids, provisioner)
     reconciler.run_once()
@@ -134,7 +136,7 @@ def test_remove_stopped_nodes_waits_for_the_agent(
 def test_drain_deleted_groups_then_remove_them(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 1), group("b", 2)])
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 1), group_spec("b", 2)])
     reconciler = make_reconciler(db, clock, ids, FakeProvisioner())
     reconciler.run_once()
     service.update_cluster(name="one", instance_groups_to_delete=["b"])
@@ -154,7 +156,7 @@ def test_drain_deleted_groups_then_remove_them(
 def test_settle_status_only_when_converged(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 1)])
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 1)])
     reconciler = make_reconciler(db, clock, ids, FakeProvisioner())
     settle = reconciler.settle_status
     assert phase(db, "one", lambda s, c: settle(s, c, clock.now(), converged=False)) == Outcome()
@@ -168,7 +170,9 @@ def test_settle_status_only_when_converged(
 def test_finish_deletion_shuts_nodes_down_then_removes_the_cluster(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 2)], tags=[{"Key": "k", "Value": "v"}])
+    service.create_cluster(
+        name="one", instance_groups=[group_spec("a", 2)], tags=[ResourceTag(key="k", value="v")]
+    )
     reconciler = make_reconciler(db, clock, ids, FakeProvisioner())
     reconciler.run_once()
     service.delete_cluster(name="one")
@@ -194,7 +198,7 @@ def registered(db: Database, name: str, clock: ManualClock, *, acked: int = 1) -
 
 
 def agents_cluster(service: ClusterService, db: Database, reconciler: Reconciler, **extra: object) -> None:
-    service.create_cluster(name="one", instance_groups=[group("a", 2)], orchestrator=EKS, **extra)  # type: ignore[arg-type]
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 2)], orchestrator=EKS, **extra)  # type: ignore[arg-type]
     phase(db, "one", lambda s, c: reconciler.scale_groups(s, c, reconciler.clock.now()))
 
 
@@ -268,7 +272,7 @@ def test_claim_pushes_claims_each_behind_node_once(
     service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
 ) -> None:
     reconciler = make_reconciler(db, clock, ids, FakeProvisioner(uses_agents=True))
-    agents_cluster(service, db, reconciler, tiered_storage={"Mode": "Enable"})
+    agents_cluster(service, db, reconciler, tiered_storage=TieredStorage(mode="Enable"))
     behind, current = registered(db, "one", clock, acked=0)
     with locked(db, "one") as (_, cluster):
         next(n for n in cluster.nodes if n.id == current.id).acked_generation = 1
@@ -312,8 +316,8 @@ def test_adoption_at_start(
     assert provisioner.adopt_calls == [({kept.id, gone.id}, set())]
     assert provisioner.launched == [gone.id]  # started again; the other is adopted as it runs
     assert (
-        "The control plane started: the agent of 1 node kept running and were adopted; the agent of 1 "
-        "node were started again on their nodes (same node ids, same shared-memory directories)."
+        "The control plane started: the agent of 1 node kept running and was adopted; the agent of 1 "
+        "node was started again on their nodes (same node ids, same shared-memory directories)."
     ) in descriptions(db, "one")
 
 
@@ -323,7 +327,7 @@ def test_a_failed_start_is_tried_again_with_a_backoff_that_a_restart_resumes(
     missing = FileNotFoundError(2, "No such file or directory")
     provisioner = FakeProvisioner(uses_agents=True, launch_errors=[missing] * 4)
     reconciler = make_reconciler(db, clock, ids, provisioner, start_attempts=4)
-    service.create_cluster(name="one", instance_groups=[group("a", 1)], orchestrator=EKS)
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 1)], orchestrator=EKS)
     cluster_id = load(db, "one").id
     reconciler.reconcile(cluster_id)
     (node,) = load(db, "one").nodes
@@ -367,13 +371,13 @@ def stopped_update(
     raise EACCES; start_attempts 1, replace_limit 1), reconciled until its group's recovery stops."""
     provisioner = FakeProvisioner(uses_agents=True)
     reconciler = make_reconciler(db, clock, ids, provisioner, start_attempts=1, replace_limit=1)
-    service.create_cluster(name="one", instance_groups=[group("a", 1)], orchestrator=EKS)
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 1)], orchestrator=EKS)
     reconciler.run_once()
     registered(db, "one", clock, acked=100)  # current with every generation to come
     reconciler.run_once()
     assert load(db, "one").status == ClusterStatus.IN_SERVICE
     provisioner.launch_errors = [PermissionError(13, "Permission denied")] * 10
-    service.update_cluster(name="one", instance_groups=[group("a", 2)])
+    service.update_cluster(name="one", instance_groups=[group_spec("a", 2)])
     reconciler.run_once()
     return reconciler, provisioner
 
@@ -398,7 +402,7 @@ def test_an_update_whose_new_nodes_cannot_start_ends_in_service_saying_why(
     reconciler.run_once()
     assert len(provisioner.launched) == 3  # stopped: nothing more is launched
     provisioner.launch_errors = []
-    service.update_cluster(name="one", instance_groups=[group("a", 2)])
+    service.update_cluster(name="one", instance_groups=[group_spec("a", 2)])
     reconciler.run_once()
     cluster = load(db, "one")
     assert cluster.failure_message is None
@@ -421,3 +425,25 @@ def test_replacing_the_failed_node_resumes_its_groups_recovery(
     assert sorted(n.status for n in cluster.nodes) == ["Pending", "Running"]
     texts = descriptions(db, "one")
     assert "Automatic node recovery of instance group 'a' resumes (BatchReplaceClusterNodes)." in texts
+
+
+def test_agents_started_by_a_launch_whose_transaction_fails_are_stopped_and_started_again(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    """Their launch secrets were never committed, so they could never register (issue 23: such an
+    agent looped on 403 InvalidNodeSecret while its node stayed Running with a dead endpoint)."""
+    provisioner = FakeProvisioner(uses_agents=True, owns_agents=True)
+    provisioner.on_launch = lambda: db.begin_outage(fault_id="f-0123456789abcdef", duration_s=600)
+    reconciler = make_reconciler(db, clock, ids, provisioner)
+    service.create_cluster(name="one", instance_groups=[group_spec("a", 1)], orchestrator=EKS)
+    cluster_id = load(db, "one").id
+    with pytest.raises(OperationalError):
+        reconciler.reconcile(cluster_id)  # the database went away before the launch committed
+    db.end_outage()
+    provisioner.on_launch = None
+    (node,) = load(db, "one").nodes
+    assert provisioner.unlaunched == [node.id]
+    reconciler.reconcile(cluster_id)  # the next pass starts it again
+    assert provisioner.launched == [node.id, node.id]
+    (node,) = load(db, "one").nodes
+    assert (node.status, node.start_failures, node.next_start_at) == ("Pending", 0, None)

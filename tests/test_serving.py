@@ -9,7 +9,7 @@ import threading
 
 from fastapi import FastAPI
 
-from hyperpod_sim import serving
+from hyperpod_sim.serve import process as serving
 
 
 def test_a_stop_asked_before_uvicorn_listens_is_not_lost() -> None:

@@ -16,7 +16,8 @@ restarted: it waits for the cluster to be whole again, is scheduled on a live no
 seeded generator), loads the newest complete step through that node's agent, checks it, and
 trains on from there.
 
-Faults: the FAULTS table (node faults, S3 faults, the control plane's DatabaseOutage). A node
+Faults: the FAULTS table (node faults, S3 faults, the control plane's DatabaseOutage and
+DatabaseHang). A node
 fault is injected only while the cluster is whole (every node Running, its agent answering, the
 replica ring complete and every replica sent): one replica per shard rides out one node failure at
 a time, not two. The others come at any time. Each fault is injected either just before a step's
@@ -26,8 +27,8 @@ What a user would notice, asserted:
 
 - training reaches the last step, and the final restore is that step, equal to its state;
 - every restore is exactly the state of the step it reports, never a step that was not saved;
-- a save fails only when the job's own node or agent was hit: S3 faults, a database outage and
-  faults on other nodes never fail a save;
+- a save fails only when the job's own node or agent was hit: S3 faults, a database outage or
+  hang and faults on other nodes never fail a save, and no node is failed that no fault hit;
 - a restart loses at most one step: the last save before the job's node went down (or before the
   job saw it leave Running: it looks after every save) may have completed there before its replica
   was sent; replication is asynchronous, milliseconds behind each save, and every earlier step had
@@ -60,14 +61,10 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from hyperpod_sim.sdk.checkpoint import Loaded, TieredCheckpointConfig, TieredStorageWriter, load_latest
 from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from tests.conftest import ControlPlane, wait_for
+from tests.s3_checkpoints import markers, s3_through_proxy, set_policy
 from tests.s3proxy import FaultyS3Proxy
 from tests.sdk_worker import same, training_state
-from tests.test_memory_tier import cluster
-from tests.test_s3_tier import bucket, markers, moto_url, proxy, s3, s3_through_proxy, set_policy
-
-# S3: moto's server behind the test proxy, the agents signing with dummy credentials (the fixtures
-# of test_s3_tier); the S3 faults under test are injected in the agents' own S3 clients.
-__all__ = ["bucket", "moto_url", "proxy", "s3"]
+from tests.tier import cluster
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
@@ -118,6 +115,8 @@ class FaultKind:
 
 @pytest.fixture
 def agent_settings(proxy: FaultyS3Proxy, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """S3: moto's server behind the test proxy (tests/plugins/s3.py), the agents signing with dummy
+    credentials; the S3 faults under test are injected in the agents' own S3 clients."""
     provisioning = {"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}
     return {**s3_through_proxy(proxy, monkeypatch), "provisioning": provisioning}
 
@@ -151,6 +150,9 @@ FAULTS = (
     FaultKind("S3Outage", 1, CLUSTER_WIDE, duration(1, 2, 4)),
     # The control plane answers 503 meanwhile: the job's saves must not notice.
     FaultKind("DatabaseOutage", 1, CONTROL_PLANE, duration(1, 2, 4)),
+    # Its database holds every request without an answer; 10 s, past HEARTBEAT_TIMEOUT_S and the
+    # control plane's 7 s deadline on an answer, swallows every heartbeat: no node may fail for it.
+    FaultKind("DatabaseHang", 1, CONTROL_PLANE, duration(2, 4, 10)),
     # A new kind is a row here; the schedule, the loop, the events check and the summary take
     # every row as it comes (a new scope needs its branch in Soak.inject).
 )
@@ -339,7 +341,7 @@ class Soak:
     def target(self, role: str) -> str:
         if role == "job":
             return self.node
-        # The job's node's agent now (a crashed agent comes back on another port).
+        # The job's node's agent now (on the shared network a crashed agent comes back on another port).
         endpoint = next(n for n in self.running() if n["InstanceId"] == self.node)["AgentStatus"]["Endpoint"]
         policy = httpx.get(f"{endpoint}/v1/policy", timeout=5).json()
         peer = str(policy["replication"]["peers"][0]["node_id"])
@@ -538,7 +540,17 @@ def test_training_rides_out_random_faults(
                     if i.planned.kind.lasts
                 )
 
-            wait_for(ended, timeout=soak.deadline.left(WAIT_LIMIT_S), what="every fault to end")
+            try:
+                wait_for(ended, timeout=soak.deadline.left(WAIT_LIMIT_S), what="every fault to end")
+            except AssertionError as exc:
+                texts = descriptions(client)
+                open_faults = [
+                    f"{i.fault_id} {i.planned.kind.type} -> {i.target}"
+                    for i in soak.injected
+                    if i.planned.kind.lasts
+                    and not any(t.startswith(f"Fault {i.fault_id} ended: ") for t in texts)
+                ]
+                raise AssertionError(f"{exc}: {open_faults}; events: {texts[:40]}") from None
             assert client.list_faults(CLUSTER) == []
             assert client.list_control_plane_faults() == []
             texts = descriptions(client)
@@ -548,6 +560,10 @@ def test_training_rides_out_random_faults(
                 if not any(t.startswith(f"Fault {i.fault_id} injected: {i.planned.kind.type}") for t in texts)
             ]
             assert not missing, f"faults injected but not in the cluster's events: {missing}"
+            # No node failed that no node fault hit (a database outage or hang fails none).
+            hit = {i.target for i in soak.injected if i.target is not None}
+            failed = {t.split()[1] for t in texts if t.startswith("Node ") and " failed: " in t}
+            assert failed <= hit, f"nodes failed that no fault hit: {failed - hit}: {texts}"
             # S3 caught up after the S3 faults: the last step (a due one) is on S3.
             assert STEPS % PERSIST_EVERY_STEPS == 0
             wait_for(

@@ -14,9 +14,10 @@ import pytest
 
 from hyperpod_sim.agents.store import ShardKey, ShardStore
 from hyperpod_sim.contracts.shards import checksum_of
+from tests.clocks import StepClock
 from tests.conftest import ControlPlane
-from tests.test_memory_tier import cluster, create_namespace, get, metric, url
-from tests.test_store import StepClock, read
+from tests.store import read
+from tests.tier import cluster, create_namespace, get, metric, url
 
 pytestmark = pytest.mark.patient_heartbeats
 

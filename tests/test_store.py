@@ -27,19 +27,10 @@ from hyperpod_sim.agents.store import (
 from hyperpod_sim.agents.store.files import KEY_NAME
 from hyperpod_sim.contracts.shards import checksum_of
 from hyperpod_sim.contracts.shm import UnsafeDirectory
+from tests.clocks import StepClock
+from tests.store import read
 
 MiB = 1 << 20
-
-
-class StepClock:
-    """A clock that moves one second each time it is read: each commit gets a later time."""
-
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 class CountingProtect:
@@ -64,13 +55,6 @@ def put(
     with reservation.buffer() as view:
         view[:] = data
     return reservation.commit(checksum=checksum_of(data), replica_of=replica_of)
-
-
-def read(store: ShardStore, key: ShardKey) -> bytes:
-    info, view = store.read_verified(key)
-    with view:
-        assert info.key == key
-        return bytes(view)
 
 
 def files_under(root: Path) -> list[str]:
@@ -769,3 +753,23 @@ def test_after_its_root_is_replaced_the_store_writes_nothing_into_the_new_one(tm
     assert list(root.iterdir()) == []
     with pytest.raises(CorruptShard):  # its file is not where it was
         store.read_verified(ShardKey("job", 0, 1))
+
+
+def test_a_shards_save_survives_a_restart_and_other_saves_of_its_step_are_dropped(
+    tmp_path: Path, clock: StepClock
+) -> None:
+    root, keys = tmp_path / "node-a", tmp_path / "state"
+    store = ShardStore(root, budget_bytes=64 * MiB, clock=clock, key_dir=keys)
+    old, new, other_step = ShardKey("job", 0, 5), ShardKey("job", 1, 5), ShardKey("job", 0, 4)
+    for key, save in ((old, "one"), (new, "two"), (other_step, "one")):
+        reservation = store.reserve(key, 3)
+        with reservation.buffer() as view:
+            view[:] = b"abc"
+        assert reservation.commit(checksum=checksum_of(b"abc"), save=save).save == save
+    # The save is sealed into the sidecar: a restarted store adopts the shards with it.
+    restarted = ShardStore(root, budget_bytes=64 * MiB, clock=clock, key_dir=keys)
+    assert {info.key: info.save for info in restarted.shards()} == {old: "one", new: "two", other_step: "one"}
+    # Save two of step 5 is committed: save one's shards of step 5 go, other steps stay.
+    assert restarted.drop_other_saves("job", 5, "two") == [old]
+    assert [info.key for info in restarted.shards()] == [other_step, new]
+    assert not (root / "job" / "0" / "5.shard").exists()

@@ -5,6 +5,7 @@ path's expiry driven by an injected clock (no test sleeps to wait for it)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable
 from pathlib import Path
 
@@ -12,13 +13,14 @@ import httpx
 import pytest
 
 from hyperpod_sim.agents import catalog
-from hyperpod_sim.agents.clock import Clock
 from hyperpod_sim.agents.fastpath import FastPath
 from hyperpod_sim.agents.retry import Backoff
-from hyperpod_sim.agents.s3objects import S3Unavailable
-from hyperpod_sim.agents.s3tier import PersistFailed, is_temporary
+from hyperpod_sim.agents.s3.objects import S3Unavailable
+from hyperpod_sim.agents.s3.tier import PersistFailed, is_temporary
 from hyperpod_sim.agents.store import ShardInfo, ShardKey, ShardStore
 from hyperpod_sim.agents.tiermodel import Namespace, TierError
+from hyperpod_sim.contracts.agent_bodies import ShardIndex
+from tests.clocks import ManualClock
 
 MiB = 1 << 20
 
@@ -37,13 +39,13 @@ def test_the_local_index_separates_own_shards_from_replicas(tmp_path: Path) -> N
         return ShardInfo(ShardKey("job", rank, step), 1, "", replica_of, tmp_path / "x", 0.0)
 
     index = catalog.local_index([info(1, 5, None), info(0, 5, "node-b"), info(0, 4, None)], "node-a")
-    assert index == {
+    assert index.document() == {
         "node_id": "node-a",
         "steps": {"4": [0], "5": [0, 1]},
         "primary": {"4": [0], "5": [1]},
         "replica": {"5": [0]},
     }
-    assert catalog.steps_of(index) == {4: [0], 5: [0, 1]}
+    assert ShardIndex.parse(json.dumps(index.document())).steps == {4: (0,), 5: (0, 1)}
 
 
 def test_retention_keeps_the_newest_committed_steps_and_drops_abandoned_uploads() -> None:
@@ -77,23 +79,6 @@ def test_backoff_without_jitter_doubles_up_to_its_cap() -> None:
     assert [backoff.next_delay() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
     backoff.reset()
     assert backoff.next_delay() == 0.5
-
-
-class ManualClock:
-    """Monotonic time that moves only when the code under test sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        await asyncio.sleep(0)
-
-    def clock(self) -> Clock:
-        return Clock(wall=self.monotonic, monotonic=self.monotonic, sleep=self.sleep)
 
 
 def test_fast_path_gives_back_writes_and_leases_past_their_timeout(tmp_path: Path) -> None:

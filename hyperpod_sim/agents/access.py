@@ -13,8 +13,9 @@ for a wrong token (docs/agent-protocol.md, docs/memory-tier.md).
 
 from __future__ import annotations
 
-from hyperpod_sim.agents.httpserver import Request, Response, error_response
+from hyperpod_sim.agents.http.server import Request, Response, error_response
 from hyperpod_sim.agents.state import AgentState, AuthStatus, Credential
+from hyperpod_sim.contracts.agent_api import POLICY_PATH, AgentApi, AgentRoute
 
 _BEARER = (("WWW-Authenticate", 'Bearer realm="hyperpod-sim-agent"'),)
 
@@ -52,3 +53,13 @@ def checkpoint_credential(state: AgentState, method: str, *, fast_path: bool) ->
     if fast_path or method not in ("GET", "HEAD"):
         return Credential.CHECKPOINT
     return None
+
+
+def route_credential(state: AgentState, route: AgentRoute) -> Credential | None:
+    """The credential a route of ``contracts.agent_api.AGENT_ROUTES`` needs (None: anyone), by
+    the API it belongs to (the rules above)."""
+    if route.api is AgentApi.INTERNAL:
+        return Credential.CLUSTER
+    if route.api is AgentApi.ADMIN:
+        return Credential.CONTROL_PLANE if (route.method, route.template) == ("PUT", POLICY_PATH) else None
+    return checkpoint_credential(state, route.method, fast_path=route.api is AgentApi.FAST)

@@ -3,91 +3,113 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from urllib.parse import parse_qs
 
-from hyperpod_sim.agents.access import refusal
-from hyperpod_sim.agents.httpserver import DropConnection, Request, Response, error_response, json_response
+from hyperpod_sim.agents.access import refusal, route_credential
+from hyperpod_sim.agents.http.server import DropConnection, Request, Response, error_response, json_response
 from hyperpod_sim.agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier_metrics
-from hyperpod_sim.agents.state import AgentState, ApplyStatus, Credential
+from hyperpod_sim.agents.state import AgentState, ApplyStatus
 from hyperpod_sim.agents.tier import MemoryTier
-from hyperpod_sim.agents.tierroutes import RouteMatch, TierRoutes
-from hyperpod_sim.contracts.agent_api import POLICY_PATH
+from hyperpod_sim.agents.tiermodel import TierError
+from hyperpod_sim.agents.tierroutes import Handler, Parameters, TierRoutes, tiering_off
+from hyperpod_sim.agents.tierroutes import refused as tier_refused
+from hyperpod_sim.contracts.agent_api import (
+    HEALTH_PATH,
+    METRICS_PATH,
+    POLICY_PATH,
+    AgentApi,
+    AgentRoute,
+    RouteTable,
+    agent_route,
+)
+from hyperpod_sim.contracts.agent_bodies import AgentHealth, PolicyApplied
 from hyperpod_sim.contracts.partition import Partition
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """A route of the agent and what answers it."""
+
+    route: AgentRoute
+    handler: Handler
+
+
 class AgentApp:
-    """Every route of the agent: the admin API's here, the memory tier's from
-    :class:`agents.tierroutes.TierRoutes`. Who may call a route is checked here, once, for all of
-    them (:func:`agents.access.refusal`): one shape of refusal whatever the route."""
+    """Every route of the agent, in one table built from ``contracts.agent_api.AGENT_ROUTES``: the
+    admin API's handlers here, the memory tier's from :class:`agents.tierroutes.TierRoutes` (an
+    agent without a tier serves the admin API only). Who may call a route is checked here, once,
+    for all of them (:func:`agents.access.refusal`): one shape of refusal whatever the route."""
 
     def __init__(
         self, *, state: AgentState, tier: MemoryTier | None = None, partition: Partition | None = None
     ) -> None:
         self._state = state
         self._tier = tier
-        self._tier_routes = TierRoutes(tier) if tier is not None else None
         self._partition = partition
-        self._routes: dict[str, dict[str, RouteMatch]] = {
-            "/health": {"GET": RouteMatch(self.health, None)},
-            POLICY_PATH: {
-                "GET": RouteMatch(self.get_policy, None),
-                # A policy push: only from the control plane, with this node's control-plane token.
-                "PUT": RouteMatch(self.put_policy, Credential.CONTROL_PLANE),
-            },
-            "/metrics": {"GET": RouteMatch(self.metrics, None)},
-        }
+        admin: list[tuple[AgentRoute, Handler]] = [
+            (agent_route("GET", HEALTH_PATH), self.health),
+            (agent_route("GET", POLICY_PATH), self.get_policy),
+            (agent_route("PUT", POLICY_PATH), self.put_policy),
+            (agent_route("GET", METRICS_PATH), self.metrics),
+        ]
+        served = admin + (TierRoutes(tier).handlers() if tier is not None else [])
+        self.routes: RouteTable[Endpoint] = RouteTable((route, Endpoint(route, h)) for route, h in served)
 
     async def __call__(self, request: Request) -> Response:
         if self._partition is not None and self._partition.blocks(request.headers.get("user-agent", "")):
             # The control plane is cut off (a NetworkPartition): the connection closes unanswered.
             raise DropConnection(f"network partition (fault {self._partition.fault_id})")
-        found = self._match(request)
-        if isinstance(found, Response):
-            return found
-        if found.credential is not None:
-            refused = refusal(self._state, request, found.credential)
+        found = self.routes.lookup(request.path)
+        if found is None:
+            return error_response(404, "NotFound", f"no route {request.path}")
+        endpoint = found.methods.get(request.method)
+        if endpoint is None:
+            return self._no_method(request, found.methods)
+        route = endpoint.route
+        if route.api in (AgentApi.LIBRARY, AgentApi.FAST) and not self._state.tiered_storage_enabled:
+            return await tiering_off(request)
+        credential = route_credential(self._state, route)
+        if credential is not None:
+            refused = refusal(self._state, request, credential)
             if refused is not None:
                 return refused
-        return await found.handler(request)
+        try:
+            return await endpoint.handler(request, found.parameters)
+        except TierError as exc:
+            return tier_refused(exc)
 
-    def _match(self, request: Request) -> RouteMatch | Response:
-        """The route of a request, or the answer when there is none (404, 405)."""
-        if self._tier_routes is not None and request.path.startswith("/v1/"):
-            matched = self._tier_routes.match(request)
-            if matched is not None:
-                return matched
-        methods = self._routes.get(request.path.rstrip("/") or "/")
-        if methods is None:
+    @staticmethod
+    def _no_method(request: Request, methods: Mapping[str, Endpoint]) -> Response:
+        """Another method on a path that routes serve: 405 on the admin API's paths; the tier's
+        answer 404, as they always have (a client of the tier sees one answer for "not served")."""
+        if any(endpoint.route.api is not AgentApi.ADMIN for endpoint in methods.values()):
             return error_response(404, "NotFound", f"no route {request.path}")
-        route = methods.get(request.method)
-        if route is None:
-            allowed = ", ".join(methods)
-            return error_response(
-                405,
-                "MethodNotAllowed",
-                f"{request.method} is not allowed on {request.path}; allowed: {allowed}",
-                headers=(("Allow", allowed),),
-            )
-        return route
-
-    async def health(self, request: Request) -> Response:
-        state = self._state
-        return json_response(
-            200,
-            {
-                "status": "ok",
-                "node_id": state.node_id,
-                "cluster": state.cluster,
-                "registered": state.registered,
-                "applied_generation": state.applied_generation,
-            },
+        allowed = ", ".join(methods)
+        return error_response(
+            405,
+            "MethodNotAllowed",
+            f"{request.method} is not allowed on {request.path}; allowed: {allowed}",
+            headers=(("Allow", allowed),),
         )
 
-    async def get_policy(self, request: Request) -> Response:
+    async def health(self, request: Request, parameters: Parameters) -> Response:
+        state = self._state
+        health = AgentHealth(
+            status="ok",
+            node_id=state.node_id,
+            cluster=state.cluster,
+            registered=state.registered,
+            applied_generation=state.applied_generation,
+        )
+        return json_response(200, health.document())
+
+    async def get_policy(self, request: Request, parameters: Parameters) -> Response:
         policy = self._state.policy
         return json_response(200, policy.document() if policy else {"generation": 0})
 
-    async def put_policy(self, request: Request) -> Response:
+    async def put_policy(self, request: Request, parameters: Parameters) -> Response:
         """A policy push (the caller's control-plane token is checked already). ``?reset=true``:
         apply it even if it is older than the one in force (the control plane re-syncs an agent
         that holds a generation it never issued)."""
@@ -109,9 +131,9 @@ class AgentApp:
             return error_response(
                 409, "StaleGeneration", outcome.message, applied_generation=outcome.applied_generation
             )
-        return json_response(200, {"applied_generation": outcome.applied_generation})
+        return json_response(200, PolicyApplied(applied_generation=outcome.applied_generation).document())
 
-    async def metrics(self, request: Request) -> Response:
+    async def metrics(self, request: Request, parameters: Parameters) -> Response:
         metrics = agent_metrics(self._state)
         if self._tier is not None:
             metrics += tier_metrics(self._tier) + s3_metrics(self._tier)

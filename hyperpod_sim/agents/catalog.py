@@ -7,12 +7,17 @@ in the cluster: a step that a crash left half-written is never listed (docs/memo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
-from urllib.parse import quote
+
+import httpx
 
 from hyperpod_sim.agents.cluster import ClusterView
 from hyperpod_sim.agents.store import ShardInfo, ShardStore
+from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, agent_path
+from hyperpod_sim.contracts.agent_bodies import ShardIndex, problem_of
+
+log = logging.getLogger("hyperpod_sim.agents.tier")
 
 Held = Mapping[int, Iterable[int]]  # step -> ranks
 
@@ -32,7 +37,7 @@ def complete_steps(num_ranks: int, indexes: Iterable[Held]) -> list[int]:
     return sorted((step for step, ranks in merge(indexes).items() if everyone <= ranks), reverse=True)
 
 
-def local_index(shards: Iterable[ShardInfo], node_id: str | None) -> dict[str, Any]:
+def local_index(shards: Iterable[ShardInfo], node_id: str | None) -> ShardIndex:
     """This node's index of a namespace, as ``/v1/internal/index`` answers it: ``steps`` every
     copy, ``primary`` this node's own shards, ``replica`` the copies it holds of other nodes'
     shards (``steps`` is their union); steps and ranks in order."""
@@ -41,15 +46,23 @@ def local_index(shards: Iterable[ShardInfo], node_id: str | None) -> dict[str, A
         kind = "primary" if info.replica_of is None else "replica"
         for member in ("steps", kind):
             held[member].setdefault(info.key.step, set()).add(info.key.rank)
-    index: dict[str, Any] = {"node_id": node_id}
-    for member, steps in held.items():
-        index[member] = {str(step): sorted(ranks) for step, ranks in sorted(steps.items())}
-    return index
+    ordered = {
+        member: {step: tuple(sorted(ranks)) for step, ranks in sorted(steps.items())}
+        for member, steps in held.items()
+    }
+    return ShardIndex(node_id=node_id, **ordered)
 
 
-def steps_of(index: dict[str, Any]) -> dict[int, list[int]]:
-    """The ``steps`` member of a peer's index: step -> ranks it holds."""
-    return {int(step): ranks for step, ranks in index["steps"].items()}
+def peer_index(response: httpx.Response) -> ShardIndex | None:
+    """A peer's answer to ``GET /v1/internal/index``, or None when it is not one (refused, off
+    the contract)."""
+    if response.status_code != 200:
+        return None
+    try:
+        return ShardIndex.parse(response.content)
+    except ValueError as exc:
+        log.warning("an agent's index is off the contract: %s", problem_of(exc))
+        return None
 
 
 def retention_plan(
@@ -70,7 +83,8 @@ async def cluster_complete_steps(cluster: ClusterView, store: ShardStore, name: 
     index of every agent that answers."""
     namespace = await cluster.namespace(name)
     indexes: list[Held] = [store.steps(name)]
-    for _, response in await cluster.fan_out("GET", f"/v1/internal/index/{quote(name, safe='')}"):
-        if response.status_code == 200:
-            indexes.append(steps_of(response.json()))
+    for _, response in await cluster.fan_out("GET", agent_path(INTERNAL_INDEX_ROUTE, namespace=name)):
+        index = peer_index(response)
+        if index is not None:
+            indexes.append(index.steps)
     return complete_steps(namespace.num_ranks, indexes)

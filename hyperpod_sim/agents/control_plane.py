@@ -24,6 +24,7 @@ from hyperpod_sim.contracts.agent_api import (
     Registration,
     agent_api_path,
 )
+from hyperpod_sim.contracts.agent_bodies import S3TierStatus
 from hyperpod_sim.contracts.partition import Partition
 
 
@@ -137,7 +138,7 @@ class ControlPlaneClient:
         applied_generation: int,
         endpoint: str,
         pid: int,
-        s3_status: dict[str, Any] | None = None,
+        s3_status: S3TierStatus | None = None,
     ) -> Reply:
         """``s3_status``: the S3 tier's status (docs/agent-protocol.md), sent as ``s3`` when given;
         a heartbeat without it tells the control plane the node has no S3 tier."""

@@ -14,19 +14,19 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import SecretStr
 
 from hyperpod_sim.agents.control_plane import ControlPlaneClient, Failure, Reply
 from hyperpod_sim.agents.retry import Backoff as Backoff
 from hyperpod_sim.agents.state import AgentState, ApplyStatus
+from hyperpod_sim.contracts.agent_bodies import S3TierStatus
 
 log = logging.getLogger("hyperpod_sim.agents.loop")
 
 Sleep = Callable[[float], Awaitable[None]]
 # What each heartbeat reports as the node's S3 tier (its `s3` member); None: no S3 tier.
-StatusProvider = Callable[[], dict[str, Any] | None]
+StatusProvider = Callable[[], S3TierStatus | None]
 
 
 class LoopOutcome(enum.Enum):
@@ -147,7 +147,7 @@ class AgentLoop:
         await self._sleep(self._interval_s)
         return None
 
-    def _s3_status(self) -> dict[str, Any] | None:
+    def _s3_status(self) -> S3TierStatus | None:
         """The status provider's answer; a failing provider costs the report, not the heartbeat."""
         if self._status_provider is None:
             return None

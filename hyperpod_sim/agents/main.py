@@ -21,7 +21,7 @@ from pathlib import Path
 from hyperpod_sim.agents.app import AgentApp
 from hyperpod_sim.agents.config import AgentSettings
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
-from hyperpod_sim.agents.httpserver import HttpServer
+from hyperpod_sim.agents.http.server import HttpServer
 from hyperpod_sim.agents.loop import AgentLoop, Identity, LoopOutcome
 from hyperpod_sim.agents.retry import Backoff
 from hyperpod_sim.agents.state import AgentState

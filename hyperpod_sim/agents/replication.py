@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from urllib.parse import quote
+from urllib.parse import urlencode
 
 import httpx
 
@@ -21,6 +21,12 @@ from hyperpod_sim.agents.cluster import ClusterView
 from hyperpod_sim.agents.retry import Backoff
 from hyperpod_sim.agents.store import CorruptShard, ShardInfo, ShardKey, ShardStore
 from hyperpod_sim.agents.tiermodel import TierCounters
+from hyperpod_sim.contracts.agent_api import (
+    INTERNAL_INDEX_ROUTE,
+    INTERNAL_REPLICA_ROUTE,
+    OWNER_PARAMETER,
+    agent_path,
+)
 from hyperpod_sim.contracts.shards import SHARD_META, shard_meta
 
 log = logging.getLogger("hyperpod_sim.agents.tier")
@@ -75,8 +81,8 @@ class Replicator:
         """Copy one of this node's shards to its replica peers (verified first: a corrupt copy is
         never replicated)."""
         key = info.key
-        path = f"/v1/internal/replicas/{quote(key.namespace, safe='')}/{key.rank}/{key.step}"
-        query = f"?owner={quote(self._cluster.state.node_id or '')}"
+        path = agent_path(INTERNAL_REPLICA_ROUTE, namespace=key.namespace, rank=key.rank, step=key.step)
+        query = f"?{urlencode({OWNER_PARAMETER: self._cluster.state.node_id or ''})}"
         unpin = self._store.pin(key)
         try:
             try:
@@ -87,7 +93,7 @@ class Replicator:
                 return
             headers = {
                 **self._cluster.token_header(),
-                SHARD_META: shard_meta(checked.checksum),
+                SHARD_META: shard_meta(checked.checksum, checked.save),
                 "Content-Length": str(len(view)),
             }
             with view:
@@ -139,15 +145,15 @@ class Replicator:
             for name in sorted({info.key.namespace for info in own}):
                 try:
                     response = await self._cluster.peers.get(
-                        f"{endpoint}/v1/internal/index/{quote(name, safe='')}",
+                        f"{endpoint}{agent_path(INTERNAL_INDEX_ROUTE, namespace=name)}",
                         headers=self._cluster.token_header(),
                     )
                 except httpx.HTTPError:
                     continue
-                if response.status_code != 200:
+                index = catalog.peer_index(response)
+                if index is None:
                     continue
-                index = catalog.steps_of(response.json())
-                held = {(step, rank) for step, ranks in index.items() for rank in ranks}
+                held = {(step, rank) for step, ranks in index.steps.items() for rank in ranks}
                 for info in own:
                     if info.key.namespace == name and (info.key.step, info.key.rank) not in held:
                         self._counters.replication_pending.setdefault(info.key, self._clock.wall())

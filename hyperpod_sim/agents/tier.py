@@ -25,10 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 
@@ -39,8 +39,8 @@ from hyperpod_sim.agents.control_plane import ControlPlaneClient
 from hyperpod_sim.agents.fastpath import FastPath
 from hyperpod_sim.agents.numbers import echo
 from hyperpod_sim.agents.replication import Replicator
-from hyperpod_sim.agents.s3objects import S3Unavailable
-from hyperpod_sim.agents.s3tier import S3Tier
+from hyperpod_sim.agents.s3.objects import S3Unavailable
+from hyperpod_sim.agents.s3.tier import S3Tier
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.agents.store import (
     BudgetExceeded,
@@ -63,7 +63,39 @@ from hyperpod_sim.agents.tiermodel import (
     checked_new_namespace,
     parse_key,
     parse_shard_meta,
+    parse_shard_save,
     tier_of,
+)
+from hyperpod_sim.contracts.agent_api import (
+    CHECKSUM_PARAMETER,
+    INTERNAL_NAMESPACE_ROUTE,
+    INTERNAL_RESET_ROUTE,
+    INTERNAL_SAVES_ROUTE,
+    INTERNAL_SHARD_ROUTE,
+    SAVE_PARAMETER,
+    agent_path,
+)
+from hyperpod_sim.contracts.agent_bodies import (
+    FastAborted,
+    FastCommitted,
+    FastLocation,
+    FastReleased,
+    FastReservation,
+    LocalDeleted,
+    LocalNamespaceDeleted,
+    NamespaceAnswer,
+    NamespaceDeleted,
+    PersistAnswer,
+    PersistRequest,
+    RankStep,
+    ReplicaStored,
+    ResetDone,
+    S3Steps,
+    SavesDropped,
+    ShardDeleted,
+    ShardIndex,
+    ShardStored,
+    SpareBuffer,
 )
 from hyperpod_sim.contracts.limits import DEFAULT_MAX_FAST_LEASES, num_ranks_problem
 from hyperpod_sim.contracts.policy import NodePolicy
@@ -104,6 +136,10 @@ def _out_of_room(exc: OSError, *, needed: int) -> TierError:
         f"({exc.strerror or exc}); nothing was stored",
         needed=needed,
     )
+
+
+# Waits before asking the agents that did not answer a drop of other saves again (about a minute).
+DROP_RETRY_WAITS_S = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 
 class MemoryTier:
@@ -165,10 +201,10 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ namespaces
 
-    async def get_namespace(self, name: str) -> dict[str, Any]:
-        return (await self.cluster.namespace(name)).doc()
+    async def get_namespace(self, name: str) -> NamespaceAnswer:
+        return (await self.cluster.namespace(name)).answer()
 
-    async def create_namespace(self, name: str, *, num_ranks: int, steps_retained: int) -> dict[str, Any]:
+    async def create_namespace(self, name: str, *, num_ranks: int, steps_retained: int) -> NamespaceAnswer:
         """Create a namespace at the control plane, which keeps them (and counts them against its
         limits). What no setting allows is refused here already: a name S3 keys cannot carry, more
         ranks than the protocol's ceiling. A refusal of the control plane is answered as it came
@@ -186,24 +222,24 @@ class MemoryTier:
             raise TierError(409, "NamespaceExists", f"namespace {echo(name)} already exists")
         if response.status_code != 201:
             raise _control_plane_refusal(response, default="InvalidNamespace")
-        doc: dict[str, Any] = response.json()
-        self.cluster.remember(Namespace.from_doc(name, doc))
-        return doc
+        created = Namespace.from_doc(name, response.json())
+        self.cluster.remember(created)
+        return created.answer()
 
-    async def delete_namespace(self, name: str) -> dict[str, Any]:
+    async def delete_namespace(self, name: str) -> NamespaceDeleted:
         checked_namespace(name)
         response = await self.cluster.control_plane("DELETE", f"/namespaces/{quote(name, safe='')}")
         if response.status_code == 404:
             raise TierError(404, "NamespaceNotFound", f"namespace {name!r} does not exist")
         self.local_delete_namespace(name)
-        await self.cluster.fan_out("DELETE", f"/v1/internal/namespaces/{quote(name, safe='')}")
-        return {"deleted": name}
+        await self.cluster.fan_out("DELETE", agent_path(INTERNAL_NAMESPACE_ROUTE, namespace=name))
+        return NamespaceDeleted(deleted=name)
 
-    async def reset(self) -> dict[str, Any]:
+    async def reset(self) -> ResetDone:
         await self.cluster.control_plane("POST", "/namespaces-reset")
         self.local_reset()
-        await self.cluster.fan_out("POST", "/v1/internal/reset")
-        return {"reset": True}
+        await self.cluster.fan_out("POST", agent_path(INTERNAL_RESET_ROUTE))
+        return ResetDone()
 
     # ------------------------------------------------------------------ saving shards
 
@@ -220,11 +256,13 @@ class MemoryTier:
 
     async def _receive(self, key: ShardKey, upload: Upload, *, replica_of: str | None) -> ShardInfo:
         """Receive an upload into shared memory; verify it; commit it. Nothing is stored on failure."""
-        checksum = upload.checksum()
+        checksum, save = upload.checksum(), upload.save()
         reservation = await self._reserve(key, upload.size())
         try:
             await upload.fill(reservation.buffer())
-            info = await asyncio.to_thread(reservation.commit, checksum=checksum, replica_of=replica_of)
+            info = await asyncio.to_thread(
+                functools.partial(reservation.commit, checksum=checksum, replica_of=replica_of, save=save)
+            )
         except CorruptShard as exc:
             reservation.abort()
             raise TierError(
@@ -279,11 +317,11 @@ class MemoryTier:
                 raise _out_of_room(exc, needed=size) from exc
             raise
 
-    async def put_shard(self, name: str, rank: str, step: str, upload: Upload) -> dict[str, Any]:
+    async def put_shard(self, name: str, rank: str, step: str, upload: Upload) -> ShardStored:
         namespace, key = await self._key(name, rank, step)
         info = await self._receive(key, upload, replica_of=None)
         await self._after_save(namespace, info)
-        return {"namespace": name, "rank": key.rank, "step": key.step, "size": info.size}
+        return ShardStored(namespace=name, rank=key.rank, step=key.step, size=info.size)
 
     async def _after_save(self, namespace: Namespace, info: ShardInfo) -> None:
         """A trainer's shard is stored here: retention, S3 scheduling, replication."""
@@ -302,12 +340,46 @@ class MemoryTier:
             if exc.errno not in _NO_ROOM:
                 raise
             log.info("no spares for %s: the shared memory is full (%s)", key, exc.strerror)
+        if info.save is not None and key.rank == namespace.num_ranks - 1:
+            await self._replace_other_saves(key.namespace, key.step, info.save)
         self.s3.on_saved(namespace, key)
         await self.replicas.after_save(info)
 
+    async def _replace_other_saves(self, name: str, step: int, save: str) -> None:
+        """The step's metadata of save ``save`` is committed here: every other save's shards of
+        the step go, on this node and on every other agent, so a step saved again replaces the
+        earlier save whole. An agent that does not answer keeps its copies; readers use only the
+        shards the committed metadata names (by checksum) in any case."""
+        dropped = self.store.drop_other_saves(name, step, save)
+        missing = await self._drop_on_peers(name, step, save)
+        if dropped or missing:
+            log.info(
+                "step %d of %r is save %s: %d shards of other saves dropped here; agents not answering: %s",
+                step, name, save, len(dropped), missing,
+            )  # fmt: skip
+        if missing:  # tried again in the background: a busy or restarting agent answers later
+            self._spawn(self._drop_on_peers_later(name, step, save))
+
+    async def _drop_on_peers(self, name: str, step: int, save: str) -> list[str]:
+        """Ask every other agent to drop the other saves of the step; the nodes that did not."""
+        path = agent_path(INTERNAL_SAVES_ROUTE, namespace=name, step=step)
+        answers = await self.cluster.fan_out("POST", f"{path}?{urlencode({SAVE_PARAMETER: save})}")
+        done = {node for node, response in answers if response.status_code == 200}
+        return sorted(set(await self.cluster.members()) - done)
+
+    async def _drop_on_peers_later(self, name: str, step: int, save: str) -> None:
+        for wait_s in DROP_RETRY_WAITS_S:
+            await asyncio.sleep(wait_s)
+            try:
+                if not await self._drop_on_peers(name, step, save):
+                    return
+            except TierError as exc:  # the control plane did not answer for the members
+                log.info("dropping other saves of step %d of %r: %s", step, name, exc)
+        log.warning("other saves of step %d of %r may remain on agents that never answered", step, name)
+
     async def put_replica(
         self, name: str, rank: str, step: str, upload: Upload, *, owner: str | None
-    ) -> dict[str, Any]:
+    ) -> ReplicaStored:
         if owner is not None and len(owner) > MAX_NODE_ID_CHARS:
             raise TierError(
                 400, "InvalidOwner", f"owner is a node id of at most {MAX_NODE_ID_CHARS} characters"
@@ -321,13 +393,13 @@ class MemoryTier:
             log.info("replica of %s kept without retention: %s", key, exc)
         else:
             self.store.enforce_retention(name, namespace.steps_retained, protect=lambda: {(name, key.step)})
-        return {"size": info.size}
+        return ReplicaStored(size=info.size)
 
     # ------------------------------------------------------------------ same-host fast path
 
     async def fast_reserve(
         self, name: str, rank: str, step: str, *, size: Callable[[], int], ahead: Callable[[], bool]
-    ) -> dict[str, Any]:
+    ) -> FastReservation:
         """Room for a shard in this agent's shared memory, as a file a trainer on this host maps
         and writes into; it becomes the shard at ``fast_commit``. A reservation not committed
         within the fast path's timeout (``expires_in_s``) is given back (its trainer died).
@@ -338,20 +410,26 @@ class MemoryTier:
         self.fast.check_room(leases=False)
         reservation = await self._reserve(key, wanted, ahead=early)
         token = self.fast.open_write(reservation, namespace)
-        return {
-            "token": token,
-            "path": str(reservation.path),
-            "buffer_id": reservation.buffer_id,
-            "size": wanted,
-            "expires_in_s": self.fast.timeout_s,
-        }
+        return FastReservation(
+            token=token,
+            path=str(reservation.path),
+            buffer_id=reservation.buffer_id,
+            size=wanted,
+            expires_in_s=self.fast.timeout_s,
+        )
 
     async def fast_commit(
-        self, token: str, *, size: Callable[[int], int], step: Callable[[], int | None]
-    ) -> dict[str, Any]:
+        self,
+        token: str,
+        *,
+        size: Callable[[int], int],
+        step: Callable[[], int | None],
+        save: Callable[[], str | None] = lambda: None,
+    ) -> FastCommitted:
         """Commit an open write; ``size`` gives the bytes written from the reserved size (its
-        default), ``step`` the step a write reserved ahead is (None: the step reserved); either
-        one raises TierError (the reservation is then given back)."""
+        default), ``step`` the step a write reserved ahead is (None: the step reserved), ``save``
+        the save of its step the shard belongs to; each one raises TierError (the reservation is
+        then given back)."""
         write = self.fast.take_write(token)
         if write is None:
             raise TierError(404, "NoSuchReservation", "no open reservation with this token (expired?)")
@@ -359,6 +437,7 @@ class MemoryTier:
         try:
             written = size(reservation.size)
             named = step()
+            saved_as = save()
             if named is not None:
                 if not reservation.ahead:
                     raise TierError(
@@ -376,7 +455,9 @@ class MemoryTier:
             # The file is checked (a regular file under this agent's root, the one reserved, of
             # the reserved size) and read without a mapping: a trainer that truncated or replaced
             # it gets a 400 and its reservation back, never a SIGBUS in the agent.
-            info = await asyncio.to_thread(reservation.commit_written, size=written)
+            info = await asyncio.to_thread(
+                functools.partial(reservation.commit_written, size=written, save=saved_as)
+            )
         except UnusableShardFile as exc:
             raise TierError(400, "UnusableShardFile", str(exc)) from exc
         except ValueError as exc:
@@ -389,27 +470,27 @@ class MemoryTier:
             raise
         await self._after_save(write.namespace, info)
         key = info.key
-        return {
-            "namespace": key.namespace,
-            "rank": key.rank,
-            "step": key.step,
-            "size": info.size,
-            "checksum": info.checksum,
+        return FastCommitted(
+            namespace=key.namespace,
+            rank=key.rank,
+            step=key.step,
+            size=info.size,
+            checksum=info.checksum,
             # The rank's next buffers, for the trainer to map ahead (off its training thread).
-            "spares": [
-                {"path": str(spare.path), "buffer_id": spare.buffer_id, "size": spare.size}
+            spares=tuple(
+                SpareBuffer(path=str(spare.path), buffer_id=spare.buffer_id, size=spare.size)
                 for spare in self.store.spares(key.namespace)
                 if spare.rank == key.rank
-            ],
-        }
+            ),
+        )
 
-    def fast_abort(self, token: str) -> dict[str, Any]:
+    def fast_abort(self, token: str) -> FastAborted:
         write = self.fast.take_write(token)
         if write is not None:
             write.give_back()
-        return {"aborted": write is not None}
+        return FastAborted(aborted=write is not None)
 
-    async def fast_locate(self, name: str, rank: str, step: str) -> dict[str, Any]:
+    async def fast_locate(self, name: str, rank: str, step: str) -> FastLocation:
         """Where this node's copy of a shard is, for a trainer on this host to map and verify
         itself; 404 if this node holds none (then it reads through ``GET /v1/cp/...``)."""
         _, key = await self._key(name, rank, step)
@@ -421,42 +502,50 @@ class MemoryTier:
         # The file is not reused for a later save (truncated, rewritten) while the reader holds
         # this lease: until it releases it, or for the fast path's timeout.
         lease = self.fast.lease(self.store.pin(key))
-        return {
-            "path": str(info.path),
-            "size": info.size,
-            "checksum": info.checksum,
-            "buffer_id": buffer_id,
-            "tier": tier_of(info),
-            "lease": lease,
-        }
+        return FastLocation(
+            path=str(info.path),
+            size=info.size,
+            checksum=info.checksum,
+            buffer_id=buffer_id,
+            tier=tier_of(info),
+            lease=lease,
+        )
 
-    def fast_release(self, lease: str) -> dict[str, Any]:
-        return {"released": self.fast.release(lease)}
+    def fast_release(self, lease: str) -> FastReleased:
+        return FastReleased(released=self.fast.release(lease))
 
     # ------------------------------------------------------------------ reading and deleting shards
 
-    async def get_shard(self, name: str, rank: str, step: str) -> ShardCopy:
+    async def get_shard(self, name: str, rank: str, step: str, *, checksum: str | None = None) -> ShardCopy:
+        """A good copy of a shard: this node's, another agent's, then S3's. ``checksum``: only a
+        copy with that checksum (the one the step's committed metadata names); a copy of another
+        save of the step is passed over."""
         _, key = await self._key(name, rank, step)
-        local = await self._local_copy(key)
+        local = await self._local_copy(key, checksum=checksum)
         if local is not None:
             return local
-        remote = await self._remote_copy(key)
+        remote = await self._remote_copy(key, checksum=checksum)
         if remote is not None:
             self.counters.remote_reads_total += 1
             return remote
-        durable = await self.s3.read_shard(key)
+        durable = await self.s3.read_shard(key, checksum=checksum)
         if durable is not None:
-            data, checksum = durable
-            return ShardCopy(body=data, checksum=checksum, tier="s3")
-        raise TierError(404, "ShardNotFound", f"no good copy of rank {key.rank} step {key.step} of {name!r}")
+            data, found = durable
+            return ShardCopy(body=data, checksum=found, tier="s3")
+        wanted = "" if checksum is None else f" with checksum {checksum}"
+        raise TierError(
+            404, "ShardNotFound", f"no good copy of rank {key.rank} step {key.step} of {name!r}{wanted}"
+        )
 
-    async def _local_copy(self, key: ShardKey) -> ShardCopy | None:
-        """This node's copy, checksum-verified, sent from its shared-memory mapping.
+    async def _local_copy(self, key: ShardKey, *, checksum: str | None = None) -> ShardCopy | None:
+        """This node's copy, checksum-verified, sent from its shared-memory mapping; with
+        ``checksum``, only if it is the copy with that checksum.
 
         A mapped view, not sendfile: on loopback (a trainer restoring from its own node's agent)
         copying sends ran about 1.5x faster than sendfile from /dev/shm (bench/agent_http.py).
         """
-        if self.store.get(key) is None:
+        held = self.store.get(key)
+        if held is None or (checksum is not None and held.checksum != checksum):
             return None
         unpin = self.store.pin(key)
         try:
@@ -473,40 +562,44 @@ class MemoryTier:
             view.release()
             unpin()
 
-        return ShardCopy(body=view, checksum=info.checksum, tier=tier_of(info), on_sent=sent)
+        if checksum is not None and info.checksum != checksum:  # replaced meanwhile by another save's
+            sent()
+            return None
+        return ShardCopy(body=view, checksum=info.checksum, tier=tier_of(info), on_sent=sent, save=info.save)
 
-    async def _remote_copy(self, key: ShardKey) -> ShardCopy | None:
-        path = f"/v1/internal/shards/{quote(key.namespace, safe='')}/{key.rank}/{key.step}"
+    async def _remote_copy(self, key: ShardKey, *, checksum: str | None = None) -> ShardCopy | None:
+        path = agent_path(INTERNAL_SHARD_ROUTE, namespace=key.namespace, rank=key.rank, step=key.step)
+        params = {} if checksum is None else {CHECKSUM_PARAMETER: checksum}
         for node_id, endpoint in (await self.cluster.members(refresh=True)).items():
             try:
                 response = await self.cluster.peers.get(
-                    f"{endpoint}{path}", headers=self.cluster.token_header()
+                    f"{endpoint}{path}", headers=self.cluster.token_header(), params=params
                 )
             except httpx.HTTPError:
                 continue
             if response.status_code != 200:
                 continue
-            checksum = parse_shard_meta(response.headers.get(SHARD_META.lower()))
-            if checksum_of(response.content) != checksum:
+            header = response.headers.get(SHARD_META.lower())
+            found = parse_shard_meta(header)
+            if checksum_of(response.content) != found or (checksum is not None and found != checksum):
                 log.error("copy of %s from %s failed its checksum; trying another", key, node_id)
                 continue
             # The owner's own copy on another node is "peer"; a replica anywhere is "replica".
             tier = "replica" if response.headers.get(TIER_HEADER.lower()) == "replica" else "peer"
-            return ShardCopy(body=response.content, checksum=checksum, tier=tier)
+            return ShardCopy(body=response.content, checksum=found, tier=tier, save=parse_shard_save(header))
         return None
 
-    async def delete_shard(self, name: str, rank: str, step: str) -> dict[str, Any]:
+    async def delete_shard(self, name: str, rank: str, step: str) -> ShardDeleted:
         _, key = await self._key(name, rank, step)
         found = self.store.delete(key)
-        for _, response in await self.cluster.fan_out(
-            "DELETE", f"/v1/internal/shards/{quote(name, safe='')}/{key.rank}/{key.step}"
-        ):
+        path = agent_path(INTERNAL_SHARD_ROUTE, namespace=name, rank=key.rank, step=key.step)
+        for _, response in await self.cluster.fan_out("DELETE", path):
             found = found or response.status_code == 200
         if not found:
             raise TierError(
                 404, "ShardNotFound", f"rank {key.rank} step {key.step} of {name!r} is not stored"
             )
-        return {"deleted": {"rank": key.rank, "step": key.step}}
+        return ShardDeleted(deleted=RankStep(rank=key.rank, step=key.step))
 
     # ------------------------------------------------------------------ latest
 
@@ -519,16 +612,16 @@ class MemoryTier:
         steps = sorted(set(memory) | set(durable), reverse=True)
         return steps[: max(limit, 0)]
 
-    async def persist(self, name: str, step: int, body: Any) -> dict[str, Any]:
+    async def persist(self, name: str, step: int, request: PersistRequest) -> PersistAnswer:
         """A peer's request to upload the ranks of a step that this agent holds."""
-        return await self.s3.handle_persist(name, step, body)
+        return await self.s3.handle_persist(name, step, request)
 
     # ------------------------------------------------------------------ internal (agent to agent)
 
-    def local_index(self, name: str) -> dict[str, Any]:
+    def local_index(self, name: str) -> ShardIndex:
         return catalog.local_index(self.store.shards(name), self.state.node_id)
 
-    async def local_s3_steps(self, name: str) -> dict[str, Any]:
+    async def local_s3_steps(self, name: str) -> S3Steps:
         """The steps of ``name`` on S3 (with a marker, or written whole by the trainer through the
         library: those also in ``trainer``), newest first; [] without an S3 tier; 503
         ``S3Unavailable`` when S3 cannot be listed (not an empty list: nothing says the steps
@@ -538,30 +631,39 @@ class MemoryTier:
         except S3Unavailable as exc:
             raise TierError(503, "S3Unavailable", f"S3 cannot be listed: {exc}") from exc
         steps = sorted(written, reverse=True)
-        return {"steps": steps, "trainer": [s for s in steps if written[s] == WRITTEN_BY_TRAINER]}
+        return S3Steps(
+            steps=tuple(steps), trainer=tuple(s for s in steps if written[s] == WRITTEN_BY_TRAINER)
+        )
 
-    async def local_shard(self, name: str, rank: str, step: str) -> ShardCopy:
+    async def local_shard(self, name: str, rank: str, step: str, *, checksum: str | None = None) -> ShardCopy:
         key = parse_key(name, rank, step)
-        local = await self._local_copy(key)
+        local = await self._local_copy(key, checksum=checksum)
         if local is None:
             raise TierError(404, "ShardNotFound", "no good copy here")
         return local
 
-    def local_delete(self, name: str, rank: str, step: str) -> dict[str, Any]:
+    def local_delete(self, name: str, rank: str, step: str) -> LocalDeleted:
         key = parse_key(name, rank, step)
         if not self.store.delete(key):
             raise TierError(404, "ShardNotFound", "not stored here")
-        return {"deleted": True}
+        return LocalDeleted()
 
-    def local_delete_namespace(self, name: str) -> dict[str, Any]:
+    def local_drop_other_saves(self, name: str, step: str, save: str) -> SavesDropped:
+        """A peer committed the step's metadata of save ``save``: the shards of the step held
+        here that belong to another save are removed."""
+        key = parse_key(name, "0", step)
+        dropped = self.store.drop_other_saves(name, key.step, save)
+        return SavesDropped(dropped=tuple(RankStep(rank=k.rank, step=k.step) for k in dropped))
+
+    def local_delete_namespace(self, name: str) -> LocalNamespaceDeleted:
         self.cluster.forget(name)
         removed = self.store.delete_namespace(name)
-        return {"removed": removed}
+        return LocalNamespaceDeleted(removed=removed)
 
-    def local_reset(self) -> dict[str, Any]:
+    def local_reset(self) -> ResetDone:
         self.cluster.forget()
         self.store.clear()
-        return {"reset": True}
+        return ResetDone()
 
     # ------------------------------------------------------------------ policy changes
 

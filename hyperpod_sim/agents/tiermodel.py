@@ -14,8 +14,9 @@ from typing import Any, Protocol
 
 from hyperpod_sim.agents.numbers import canonical_int
 from hyperpod_sim.agents.store import ShardInfo, ShardKey, check_namespace
+from hyperpod_sim.contracts.agent_bodies import NamespaceAnswer
 from hyperpod_sim.contracts.limits import namespace_name_problem
-from hyperpod_sim.contracts.shards import ShardMetaError
+from hyperpod_sim.contracts.shards import ShardMetaError, checked_save, parse_save
 from hyperpod_sim.contracts.shards import parse_shard_meta as parse_checksum_header
 
 MAX_NODE_ID_CHARS = 128  # a replica's ``owner`` (a node id; stored in the shard's sidecar)
@@ -27,12 +28,10 @@ class Namespace:
     num_ranks: int
     steps_retained: int
 
-    def doc(self) -> dict[str, Any]:
-        return {
-            "namespace": self.name,
-            "num_ranks": self.num_ranks,
-            "steps_to_retain_per_rank": self.steps_retained,
-        }
+    def answer(self) -> NamespaceAnswer:
+        return NamespaceAnswer(
+            namespace=self.name, num_ranks=self.num_ranks, steps_to_retain_per_rank=self.steps_retained
+        )
 
     @classmethod
     def from_doc(cls, name: str, doc: dict[str, Any]) -> Namespace:
@@ -73,6 +72,7 @@ class ShardCopy:
     checksum: str
     tier: str
     on_sent: Callable[[], None] | None = None
+    save: str | None = None  # the save of its step it belongs to, when its sender named one
 
 
 def tier_of(info: ShardInfo) -> str:
@@ -86,6 +86,22 @@ def parse_shard_meta(header: str | None) -> str:
         return parse_checksum_header(header)
     except ShardMetaError as exc:
         raise TierError(400, exc.error, str(exc)) from exc
+
+
+def parse_shard_save(header: str | None) -> str | None:
+    """The save id of a ``Shard-Meta`` header (None: it names none); a TierError 400 if it is not one."""
+    try:
+        return parse_save(header)
+    except ShardMetaError as exc:
+        raise TierError(400, exc.error, str(exc)) from exc
+
+
+def parse_save_id(value: str, *, what: str) -> str:
+    """A save id given in a query; a TierError 400 (InvalidParameter) if it is not one."""
+    try:
+        return checked_save(value, what=what)
+    except ShardMetaError as exc:
+        raise TierError(400, "InvalidParameter", str(exc)) from exc
 
 
 def parse_key(name: str, rank: str, step: str) -> ShardKey:
@@ -126,6 +142,10 @@ class Upload(Protocol):
 
     def checksum(self) -> str:
         """The checksum the sender gives (base64 xxh3_128)."""
+        ...
+
+    def save(self) -> str | None:
+        """The save of its step the shard belongs to, if the sender names one."""
         ...
 
     def size(self) -> int:

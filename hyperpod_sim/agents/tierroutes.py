@@ -1,39 +1,65 @@
 """The memory tier's routes: ``/v1/cp/...`` (the library's protocol), ``/v1/fast/...`` (the same-host
 fast path of our SDK) and ``/v1/internal/...`` (agent to agent, cluster token).
 
-This module owns the HTTP side of the tier: it matches a request to a route and names the
-credential the route needs (checked once, with the admin API's routes, by
-:class:`agents.app.AgentApp`), reads the request's parameters and body, calls
-:class:`agents.tier.MemoryTier` and turns what it returns (a document, a :class:`ShardCopy`) or
+This module owns the HTTP side of the tier: one handler per route of
+``contracts.agent_api.AGENT_ROUTES`` (``TierRoutes.handlers``; :class:`agents.app.AgentApp` builds
+the agent's one route table from them and the admin API's, and checks each route's credential
+once), which reads the request's parameters and body, calls :class:`agents.tier.MemoryTier` and
+turns what it returns (a body model of ``contracts.agent_bodies``, a :class:`ShardCopy`) or
 raises (:class:`TierError`) into the response.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
-from urllib.parse import parse_qs, unquote
+from collections.abc import Awaitable, Callable, Mapping
+from urllib.parse import parse_qs
 
-from hyperpod_sim.agents.access import checkpoint_credential
-from hyperpod_sim.agents.httpserver import Request, Response, error_response, json_response
+from hyperpod_sim.agents.http.server import Request, Response, error_response, json_response
 from hyperpod_sim.agents.numbers import canonical_int
-from hyperpod_sim.agents.state import Credential
+from hyperpod_sim.agents.store.keys import normalized_checksum
 from hyperpod_sim.agents.tier import MemoryTier
 from hyperpod_sim.agents.tiermodel import (
     ShardCopy,
     TierError,
     checked_namespace,
     checked_new_namespace,
+    parse_save_id,
     parse_shard_meta,
+    parse_shard_save,
 )
+from hyperpod_sim.contracts.agent_api import (
+    CHECKSUM_PARAMETER,
+    CP_LATEST_ROUTE,
+    CP_NAMESPACE_ROUTE,
+    CP_RESET_ROUTE,
+    CP_SHARD_ROUTE,
+    FAST_ABORT_ROUTE,
+    FAST_COMMIT_ROUTE,
+    FAST_RELEASE_ROUTE,
+    FAST_RESERVE_ROUTE,
+    FAST_SHARD_ROUTE,
+    INTERNAL_INDEX_ROUTE,
+    INTERNAL_NAMESPACE_ROUTE,
+    INTERNAL_PERSIST_ROUTE,
+    INTERNAL_REPLICA_ROUTE,
+    INTERNAL_RESET_ROUTE,
+    INTERNAL_S3_STEPS_ROUTE,
+    INTERNAL_SAVES_ROUTE,
+    INTERNAL_SHARD_ROUTE,
+    OWNER_PARAMETER,
+    SAVE_PARAMETER,
+    AgentRoute,
+    agent_route,
+)
+from hyperpod_sim.contracts.agent_bodies import AgentBody, PersistRequest, problem_of
 from hyperpod_sim.contracts.shards import SHARD_META, TIER_HEADER, shard_meta
 
 OCTETS = "application/octet-stream"
 
-Answer = dict[str, Any] | list[int] | ShardCopy
-Route = Callable[[Request], Awaitable[Response]]
+Answer = AgentBody | list[int] | ShardCopy
+Parameters = Mapping[str, str]  # a path's parameters, by their names in the route's template
+# What answers one route: the request and its path's parameters.
+Handler = Callable[[Request, Parameters], Awaitable[Response]]
 
 
 def query_int(request: Request, parameter: str, *, default: int | None = None) -> int:
@@ -47,6 +73,32 @@ def query_int(request: Request, parameter: str, *, default: int | None = None) -
         return canonical_int(values[0], what=parameter)
     except ValueError as exc:
         raise TierError(400, "InvalidParameter", str(exc)) from exc
+
+
+def query_checksum(request: Request) -> str | None:
+    """The ``checksum`` a shard read asks for (only the copy with it is served), or None; a
+    TierError 400 if it is not a checksum."""
+    values = parse_qs(request.query, keep_blank_values=True).get(CHECKSUM_PARAMETER)
+    if not values:
+        return None
+    try:
+        return normalized_checksum(values[0])
+    except ValueError as exc:
+        raise TierError(400, "InvalidParameter", f"{CHECKSUM_PARAMETER}: {exc}") from exc
+
+
+def query_save(request: Request) -> str | None:
+    """The ``save`` id a request names, or None; a TierError 400 if it is not one."""
+    values = parse_qs(request.query, keep_blank_values=True).get(SAVE_PARAMETER)
+    return parse_save_id(values[0], what=SAVE_PARAMETER) if values else None
+
+
+def required_save(request: Request) -> str:
+    """The ``save`` id a request must name; a TierError 400 if it is missing or not one."""
+    save = query_save(request)
+    if save is None:
+        raise TierError(400, "MissingParameter", f"the query parameter {SAVE_PARAMETER} is required")
+    return save
 
 
 def query_present(request: Request, parameter: str) -> bool:
@@ -72,6 +124,9 @@ class BodyUpload:
     def checksum(self) -> str:
         return parse_shard_meta(self._request.headers.get(SHARD_META.lower()))
 
+    def save(self) -> str | None:
+        return parse_shard_save(self._request.headers.get(SHARD_META.lower()))
+
     def size(self) -> int:
         size = self._request.content_length
         if size is None:
@@ -83,42 +138,24 @@ class BodyUpload:
 
 
 def respond(answer: Answer, *, status: int = 200) -> Response:
-    """The response carrying what the tier answered."""
+    """The response carrying what the tier answered: a shard's bytes as they are, a body model as
+    its JSON document."""
     if isinstance(answer, ShardCopy):
         return Response(
             status=200,
             body=answer.body,
             content_type=OCTETS,
-            headers=((SHARD_META, shard_meta(answer.checksum)), (TIER_HEADER, answer.tier)),
+            headers=((SHARD_META, shard_meta(answer.checksum, answer.save)), (TIER_HEADER, answer.tier)),
             on_sent=answer.on_sent,
         )
-    return json_response(status, answer)
+    return json_response(status, answer if isinstance(answer, list) else answer.document())
 
 
 def refused(exc: TierError) -> Response:
     return error_response(exc.status, exc.error, exc.message, **exc.extra)
 
 
-@dataclass(frozen=True)
-class RouteMatch:
-    """A route found for a request: what answers it, and the credential it needs (None: anyone).
-    The one check of that credential is the agent app's (:class:`agents.app.AgentApp`)."""
-
-    handler: Route
-    credential: Credential | None
-
-
-def _answering_errors(route: Route) -> Route:
-    async def answer(request: Request) -> Response:
-        try:
-            return await route(request)
-        except TierError as exc:
-            return refused(exc)
-
-    return answer
-
-
-async def _tiering_off(request: Request) -> Response:
+async def tiering_off(request: Request) -> Response:
     return error_response(
         503,
         "TieredStorageDisabled",
@@ -128,100 +165,73 @@ async def _tiering_off(request: Request) -> Response:
 
 
 class TierRoutes:
+    """The tier's rows of ``contracts.agent_api.AGENT_ROUTES``, each bound to its handler."""
+
     def __init__(self, tier: MemoryTier) -> None:
         self.tier = tier
 
-    def match(self, request: Request) -> RouteMatch | None:
-        """The tier route of a request, and who may call it; None if the path is not one of the
-        tier's (the admin API's routes then)."""
-        parts = [unquote(p) for p in request.path.strip("/").split("/")]
-        state = self.tier.state
-        if parts[:2] in (["v1", "cp"], ["v1", "fast"]):
-            # /v1/cp/...: the library's protocol; /v1/fast/...: the same-host fast path of our SDK.
-            # The fast path's routes answer under both prefixes: /v1/cp/fast/... is /v1/fast/...
-            route_parts = parts[2:] if parts[1] == "cp" else parts[1:]
-            route = self._public_route(request.method, route_parts)
-            if route is None:
-                return None
-            if not state.tiered_storage_enabled:
-                return RouteMatch(_tiering_off, None)
-            # Writes, deletes and the fast path need the checkpoint token when AgentAccess is Token.
-            fast_path = route_parts[:1] == ["fast"]
-            return RouteMatch(
-                _answering_errors(route), checkpoint_credential(state, request.method, fast_path=fast_path)
-            )
-        if parts[:2] == ["v1", "internal"]:
-            route = self._internal_route(request.method, parts[2:])
-            if route is None:
-                return None
-            return RouteMatch(_answering_errors(route), Credential.CLUSTER)  # the other agents, always
-        return None
-
-    def _public_route(self, method: str, parts: list[str]) -> Route | None:
+    def handlers(self) -> list[tuple[AgentRoute, Handler]]:
+        """One handler per route of the library's protocol, the fast path and the internal API."""
         tier = self.tier
-        match method, parts:
-            case "GET", ["namespaces", name]:
-                return lambda r: self._answer(tier.get_namespace(name))
-            case "POST", ["namespaces", name]:
-                return lambda r: self._create_namespace(name, r)
-            case "DELETE", ["namespaces", name]:
-                return lambda r: self._answer(tier.delete_namespace(name))
-            case "GET", ["checkpoints", name, "latest"]:
-                return lambda r: self._latest(name, r)
-            case "POST", ["checkpoints", name, rank, step]:
-                return lambda r: self._answer(tier.put_shard(name, rank, step, BodyUpload(r)))
-            case "GET", ["checkpoints", name, rank, step]:
-                return lambda r: self._answer(tier.get_shard(name, rank, step))
-            case "DELETE", ["checkpoints", name, rank, step]:
-                return lambda r: self._answer(tier.delete_shard(name, rank, step))
-            case "POST", ["cluster", "reset"]:
-                return lambda r: self._answer(tier.reset())
-            case "POST", ["fast", "reserve", name, rank, step]:
-                return lambda r: self._answer(
-                    tier.fast_reserve(
-                        name,
-                        rank,
-                        step,
-                        size=lambda: query_int(r, "size"),
-                        ahead=lambda: query_flag(r, "ahead"),
-                    )
+        table: dict[tuple[str, str], Handler] = {
+            # /v1/cp: the library's protocol
+            ("GET", CP_NAMESPACE_ROUTE): lambda r, p: self._answer(tier.get_namespace(p["namespace"])),
+            ("POST", CP_NAMESPACE_ROUTE): self._create_namespace,
+            ("DELETE", CP_NAMESPACE_ROUTE): lambda r, p: self._answer(tier.delete_namespace(p["namespace"])),
+            ("GET", CP_LATEST_ROUTE): self._latest,
+            ("POST", CP_SHARD_ROUTE): lambda r, p: self._answer(
+                tier.put_shard(p["namespace"], p["rank"], p["step"], BodyUpload(r))
+            ),
+            ("GET", CP_SHARD_ROUTE): lambda r, p: self._answer(
+                tier.get_shard(p["namespace"], p["rank"], p["step"], checksum=query_checksum(r))
+            ),
+            ("DELETE", CP_SHARD_ROUTE): lambda r, p: self._answer(
+                tier.delete_shard(p["namespace"], p["rank"], p["step"])
+            ),
+            ("POST", CP_RESET_ROUTE): lambda r, p: self._answer(tier.reset()),
+            # /v1/fast (and /v1/cp/fast): the same-host fast path of our SDK
+            ("POST", FAST_RESERVE_ROUTE): lambda r, p: self._answer(
+                tier.fast_reserve(
+                    p["namespace"],
+                    p["rank"],
+                    p["step"],
+                    size=lambda: query_int(r, "size"),
+                    ahead=lambda: query_flag(r, "ahead"),
                 )
-            case "POST", ["fast", "commit", token]:
-                return lambda r: self._answer(
-                    tier.fast_commit(
-                        token,
-                        size=lambda reserved: query_int(r, "size", default=reserved),
-                        step=lambda: query_int(r, "step") if query_present(r, "step") else None,
-                    )
+            ),
+            ("POST", FAST_COMMIT_ROUTE): lambda r, p: self._answer(
+                tier.fast_commit(
+                    p["token"],
+                    size=lambda reserved: query_int(r, "size", default=reserved),
+                    step=lambda: query_int(r, "step") if query_present(r, "step") else None,
+                    save=lambda: query_save(r),
                 )
-            case "POST", ["fast", "abort", token]:
-                return lambda r: self._now(lambda: tier.fast_abort(token))
-            case "GET", ["fast", "shards", name, rank, step]:
-                return lambda r: self._answer(tier.fast_locate(name, rank, step))
-            case "POST", ["fast", "release", lease]:
-                return lambda r: self._now(lambda: tier.fast_release(lease))
-        return None
-
-    def _internal_route(self, method: str, parts: list[str]) -> Route | None:
-        tier = self.tier
-        match method, parts:
-            case "GET", ["index", name]:
-                return lambda r: self._now(lambda: tier.local_index(name))
-            case "GET", ["s3-steps", name]:
-                return lambda r: self._answer(tier.local_s3_steps(name))
-            case "GET", ["shards", name, rank, step]:
-                return lambda r: self._answer(tier.local_shard(name, rank, step))
-            case "PUT", ["replicas", name, rank, step]:
-                return lambda r: self._put_replica(name, rank, step, r)
-            case "POST", ["persist", name, step]:
-                return lambda r: self._persist(name, step, r)
-            case "DELETE", ["shards", name, rank, step]:
-                return lambda r: self._now(lambda: tier.local_delete(name, rank, step))
-            case "DELETE", ["namespaces", name]:
-                return lambda r: self._now(lambda: tier.local_delete_namespace(name))
-            case "POST", ["reset"]:
-                return lambda r: self._now(tier.local_reset)
-        return None
+            ),
+            ("POST", FAST_ABORT_ROUTE): lambda r, p: self._now(lambda: tier.fast_abort(p["token"])),
+            ("GET", FAST_SHARD_ROUTE): lambda r, p: self._answer(
+                tier.fast_locate(p["namespace"], p["rank"], p["step"])
+            ),
+            ("POST", FAST_RELEASE_ROUTE): lambda r, p: self._now(lambda: tier.fast_release(p["lease"])),
+            # /v1/internal: the other agents and the control plane, with the cluster token
+            ("GET", INTERNAL_INDEX_ROUTE): lambda r, p: self._now(lambda: tier.local_index(p["namespace"])),
+            ("GET", INTERNAL_S3_STEPS_ROUTE): lambda r, p: self._answer(tier.local_s3_steps(p["namespace"])),
+            ("GET", INTERNAL_SHARD_ROUTE): lambda r, p: self._answer(
+                tier.local_shard(p["namespace"], p["rank"], p["step"], checksum=query_checksum(r))
+            ),
+            ("POST", INTERNAL_SAVES_ROUTE): lambda r, p: self._now(
+                lambda: tier.local_drop_other_saves(p["namespace"], p["step"], required_save(r))
+            ),
+            ("PUT", INTERNAL_REPLICA_ROUTE): self._put_replica,
+            ("POST", INTERNAL_PERSIST_ROUTE): self._persist,
+            ("DELETE", INTERNAL_SHARD_ROUTE): lambda r, p: self._now(
+                lambda: tier.local_delete(p["namespace"], p["rank"], p["step"])
+            ),
+            ("DELETE", INTERNAL_NAMESPACE_ROUTE): lambda r, p: self._now(
+                lambda: tier.local_delete_namespace(p["namespace"])
+            ),
+            ("POST", INTERNAL_RESET_ROUTE): lambda r, p: self._now(tier.local_reset),
+        }
+        return [(agent_route(method, template), handler) for (method, template), handler in table.items()]
 
     # ------------------------------------------------------------------ requests read here
 
@@ -233,29 +243,34 @@ class TierRoutes:
     async def _now(answer: Callable[[], Answer]) -> Response:
         return respond(answer())
 
-    async def _create_namespace(self, name: str, request: Request) -> Response:
+    async def _create_namespace(self, request: Request, parameters: Parameters) -> Response:
+        name = parameters["namespace"]
         checked_new_namespace(name)
         num_ranks = query_int(request, "num_ranks")
         steps = query_int(request, "steps_retained", default=3)
         doc = await self.tier.create_namespace(name, num_ranks=num_ranks, steps_retained=steps)
         return respond(doc, status=201)
 
-    async def _latest(self, name: str, request: Request) -> Response:
+    async def _latest(self, request: Request, parameters: Parameters) -> Response:
+        name = parameters["namespace"]
         checked_namespace(name)
         limit = query_int(request, "limit", default=5)
         return respond(await self.tier.latest(name, limit=limit))
 
-    async def _put_replica(self, name: str, rank: str, step: str, request: Request) -> Response:
-        owner = parse_qs(request.query).get("owner", [None])[0]
+    async def _put_replica(self, request: Request, parameters: Parameters) -> Response:
+        owner = parse_qs(request.query).get(OWNER_PARAMETER, [None])[0]
+        name, rank, step = parameters["namespace"], parameters["rank"], parameters["step"]
         return respond(await self.tier.put_replica(name, rank, step, BodyUpload(request), owner=owner))
 
-    async def _persist(self, name: str, step: str, request: Request) -> Response:
+    async def _persist(self, request: Request, parameters: Parameters) -> Response:
+        name = parameters["namespace"]
         checked_namespace(name)
         try:
-            number = canonical_int(step, what="step")
-            body = json.loads(await request.read_body())
-        except (ValueError, RecursionError) as exc:
+            number = canonical_int(parameters["step"], what="step")
+            body = PersistRequest.parse(await request.read_body())
+        except (ValueError, RecursionError) as exc:  # a ValidationError is a ValueError
+            why = problem_of(exc) if isinstance(exc, ValueError) else str(exc)[:200]
             raise TierError(
-                400, "InvalidPersist", f"a persist request needs a JSON body and a step: {str(exc)[:200]}"
+                400, "InvalidPersist", f"a persist request needs a JSON body and a step: {why}"
             ) from exc
         return respond(await self.tier.persist(name, number, body))

@@ -40,7 +40,7 @@ router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agents"], generate_unique_id_
 
 
 # ---------------------------------------------------------------------- answers (documentation)
-# The routes answer the domain's documents as they are (hyperpod_sim/domain/agents.py); these
+# The routes answer the domain's documents as they are (hyperpod_sim/domain/nodes/agents.py); these
 # models only describe them in the OpenAPI document.
 
 

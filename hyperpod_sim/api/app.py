@@ -15,28 +15,44 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
-from hyperpod_sim.api import agent_routes, console_routes, docs_routes, extension_routes, openapi, rest
+from hyperpod_sim.api import agent_routes, console_routes, docs_routes, openapi, rest
+from hyperpod_sim.api import simulator_routes as extension_routes
 from hyperpod_sim.api.auth import Authenticator
 from hyperpod_sim.api.awsjson import AwsJsonEntry
-from hyperpod_sim.api.deps import Services, ServicesDep, as_aws_error, error_response
+from hyperpod_sim.api.deps import Services, as_aws_error, error_response, internal_failure
 from hyperpod_sim.api.gate import RequestGate
-from hyperpod_sim.api.operations import OPERATIONS
-from hyperpod_sim.domain.agents import AgentConfig, AgentService
-from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
-from hyperpod_sim.domain.checkpoints import CheckpointCatalog
+from hyperpod_sim.api.registry import OPERATIONS
+from hyperpod_sim.domain.account.cluster_extensions import ExtensionService
+from hyperpod_sim.domain.account.scheduler_configs import SchedulerConfigService
+from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
+from hyperpod_sim.domain.checkpoints.listing import CheckpointCatalog
 from hyperpod_sim.domain.clock import Clock, Ids, SystemClock
-from hyperpod_sim.domain.clusters import ClusterService, DomainConfig
+from hyperpod_sim.domain.clusters.service import ClusterService, DomainConfig
 from hyperpod_sim.domain.errors import (
     AwsError,
     SerializationException,
+    ServiceUnavailable,
     UnknownOperationException,
     ValidationException,
 )
 from hyperpod_sim.domain.faults import FaultService
+from hyperpod_sim.domain.jobs import JOB_MARK, JobService
+from hyperpod_sim.domain.node_operations.add import AddNodesService
+from hyperpod_sim.domain.node_operations.health_checks import HealthCheckService
+from hyperpod_sim.domain.node_operations.move import MoveNodesService
+from hyperpod_sim.domain.node_operations.reboot_replace import NodeOperations
+from hyperpod_sim.domain.node_operations.software_update import SoftwareUpdateService
+from hyperpod_sim.domain.nodes.agents import AgentConfig, AgentService
+from hyperpod_sim.domain.nodes.attachments import AttachmentService
+from hyperpod_sim.domain.nodes.node_set import NO_ADDRESSES, NodeAddresses
+from hyperpod_sim.domain.nodes.sessions import NodeSessionService
 from hyperpod_sim.domain.provisioning import Provisioner
 from hyperpod_sim.domain.reconciler import Reconciler, ReconcilerConfig
+from hyperpod_sim.infra.addresses import LoopbackAddresses
 from hyperpod_sim.infra.local import make_provisioner
+from hyperpod_sim.infra.netns import node_network
 from hyperpod_sim.models import Database
+from hyperpod_sim.models.db import Timeouts
 from hyperpod_sim.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -67,7 +83,32 @@ def _reconciler_config(settings: Settings, s3_endpoint: S3Endpoint) -> Reconcile
         restart_agents=provisioning.restart_agents,
         start_attempts=provisioning.start_attempts,
         replace_limit=provisioning.replace_limit,
+        addresses=_node_addresses(settings),
     )
+
+
+def _supervisor_alive(pid: int, started: int) -> bool:
+    """Whether a job's supervisor (pid, kernel start time) still runs on this machine."""
+    from hyperpod_sim.contracts.processes import start_time
+
+    return start_time(pid) == started
+
+
+def _end_job_ranks(job_id: str) -> list[int]:
+    """End the processes of a job whose supervisor is gone (marked with its id)."""
+    from hyperpod_sim.infra.node_processes import end_marked
+
+    return end_marked([job_id], name=JOB_MARK)
+
+
+def _node_addresses(settings: Settings) -> NodeAddresses:
+    """Where new nodes' addresses come from: external agents bring theirs (the host they register
+    from, domain/nodes/agents.py)."""
+    provisioning = settings.provisioning
+    if provisioning.mode == "external" or provisioning.node_network == "shared":
+        return NO_ADDRESSES
+    network = node_network(settings)
+    return network if network is not None else LoopbackAddresses()
 
 
 def _domain_config(settings: Settings) -> DomainConfig:
@@ -94,7 +135,15 @@ def build_services(
     clock = clock or SystemClock()
     ids = ids or Ids()
     _make_data_dir(settings)
-    db = Database(settings.database_url())
+    database = settings.database
+    db = Database(
+        settings.database_url(),
+        timeouts=Timeouts(
+            pool_s=database.pool_timeout_s,
+            connect_s=database.connect_timeout_s,
+            statement_s=database.statement_timeout_s,
+        ),
+    )
     db.migrate()
     provisioning = settings.provisioning
     if provisioner is None:
@@ -107,6 +156,7 @@ def build_services(
             shm_root=settings.simulation.shm_root,
             kill_grace_s=provisioning.kill_grace_s,
             agent_env=agent_env,
+            network=node_network(settings) if provisioning.mode == "local" else None,
         )
     # Read once: `serve` has put the embedded endpoint in the settings before this runs.
     s3_endpoint = S3Endpoint(url=settings.s3.endpoint_url, region=settings.s3.region)
@@ -126,22 +176,19 @@ def build_services(
             memory_scale=settings.simulation.memory_scale,
             s3_endpoint=s3_endpoint,
             local_agents=provisioner.owns_agents,
+            node_subnet=provisioning.node_subnet if node_network(settings) is not None else None,
             max_namespaces_per_cluster=settings.limits.max_namespaces_per_cluster,
             max_namespace_ranks=settings.limits.max_namespace_ranks,
         ),
         on_change=reconciler.wake,
     )
-    clusters = ClusterService(
-        db=db,
-        clock=clock,
-        ids=ids,
-        config=_domain_config(settings),
-        on_change=reconciler.wake,
-    )
+    config = _domain_config(settings)
+    wake = reconciler.wake
+    region, account_id, max_instances = config.region, config.account_id, config.max_instances_per_cluster
     return Services(
         settings=settings,
         db=db,
-        clusters=clusters,
+        clusters=ClusterService(db=db, clock=clock, ids=ids, config=config, on_change=wake),
         agents=agents,
         reconciler=reconciler,
         checkpoints=CheckpointCatalog(db=db),
@@ -151,8 +198,39 @@ def build_services(
             ids=ids,
             provisioner=provisioner,
             provisioning_mode=provisioning.mode,
-            on_change=reconciler.wake,
+            on_change=wake,
         ),
+        node_sessions=NodeSessionService(
+            db=db, clock=clock, ids=ids, provisioner=provisioner, provisioning_mode=provisioning.mode
+        ),
+        jobs=JobService(
+            db=db,
+            clock=clock,
+            ids=ids,
+            provisioner=provisioner,
+            supervisor_alive=_supervisor_alive,
+            end_ranks=_end_job_ranks,
+        ),
+        node_operations=NodeOperations(db=db, clock=clock, ids=ids, on_change=wake),
+        software_updates=SoftwareUpdateService(db=db, clock=clock, ids=ids, on_change=wake),
+        add_nodes=AddNodesService(
+            db=db,
+            clock=clock,
+            ids=ids,
+            region=region,
+            max_instances=max_instances,
+            addresses=_node_addresses(settings),
+            on_change=wake,
+        ),
+        health_checks=HealthCheckService(db=db, clock=clock, ids=ids, on_change=wake),
+        moves=MoveNodesService(db=db, clock=clock, ids=ids, max_instances=max_instances, on_change=wake),
+        scheduler_configs=SchedulerConfigService(
+            db=db, clock=clock, ids=ids, region=region, account_id=account_id
+        ),
+        cluster_extensions=ExtensionService(
+            db=db, clock=clock, ids=ids, region=region, account_id=account_id
+        ),
+        attachments=AttachmentService(db=db, clock=clock),
     )
 
 
@@ -218,6 +296,25 @@ def _install_error_handlers(app: FastAPI) -> None:
         response.headers.update(headers)
         return response
 
+    # What a route did not turn into an AwsError itself. Its transaction was rolled back.
+    @app.exception_handler(OperationalError)
+    async def _database_unavailable(request: Request, exc: OperationalError) -> JSONResponse:
+        """The database is down or locked: 503 ServiceUnavailable, the caller retries later."""
+        return _unexpected_answer(request, as_aws_error(exc))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        """Anything else: 500 InternalFailure, never a traceback. Starlette raises the exception
+        again once this is answered, so the server logs it (not logged here a second time)."""
+        return _unexpected_answer(request, internal_failure())
+
+
+def _unexpected_answer(request: Request, error: AwsError) -> JSONResponse:
+    """An error no route expected, in the shape of its path: the agent protocol's under /agent/."""
+    if request.url.path.startswith("/agent/"):
+        return JSONResponse({"error": error.code, "message": error.message}, status_code=error.status)
+    return error_response(error, rest.status_for(error), media_type="application/json")
+
 
 _METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
 
@@ -271,17 +368,21 @@ def create_app(
         "/health",
         operation_id="Health",
         tags=["service"],
-        summary="Liveness and database check",
-        description='200 with `{"status": "ok"}` when the service runs and its database answers; 503 '
-        "ServiceUnavailable (AWS error shape) when the database does not.",
+        summary="Liveness and database check, from memory",
+        description='200 with `{"status": "ok", "database": "answers"}` when the service runs and its '
+        "database answers; 503 ServiceUnavailable (AWS error shape) saying why when it does not (a "
+        "DatabaseOutage or DatabaseHang in force, a statement waiting past the pool timeout for its "
+        "answer, or the last statement failed for the database). It sends nothing to the database "
+        "and runs on the event loop, so it answers at once even while every database connection "
+        "waits.",
     )
-    def health(services: ServicesDep) -> Any:
-        try:
-            with services.db.read() as session:
-                session.connection().exec_driver_sql("SELECT 1")
-        except OperationalError as exc:
-            return error_response(as_aws_error(exc), 503, media_type="application/json")
-        return {"status": "ok"}
+    async def health(request: Request) -> Any:
+        services: Services = request.app.state.services
+        why = services.db.answers()
+        if why is not None:
+            error = ServiceUnavailable(f"The service's database does not answer: {why}.")
+            return error_response(error, 503, media_type="application/json")
+        return {"status": "ok", "database": "answers"}
 
     app.include_router(rest.router)
     app.include_router(extension_routes.router)

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hyperpod_sim.api.deps import AMZ_JSON, as_aws_error, parse_json
-from hyperpod_sim.api.operations import dispatch
+from hyperpod_sim.api.registry import dispatch
 from hyperpod_sim.domain.errors import AwsError, UnknownOperationException
 
 TARGET_PREFIX = "SageMaker."
@@ -61,7 +61,7 @@ class AwsJsonEntry:
             body: Any = parse_json(raw)
             services = scope["app"].state.services
             operation = target[len(TARGET_PREFIX) :]
-            result = await run_in_threadpool(dispatch, services.clusters, operation, body)
+            result = await run_in_threadpool(dispatch, services, operation, body)
         except Exception as exc:  # every failure leaves in the AWS shape
             error: AwsError = as_aws_error(exc)
             return error.status, json.dumps(error.to_body()).encode(), error.code

@@ -13,9 +13,10 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 
-from hyperpod_sim.domain.agents import AgentService
-from hyperpod_sim.domain.checkpoints import CheckpointCatalog
-from hyperpod_sim.domain.clusters import ClusterService
+from hyperpod_sim.domain.account.cluster_extensions import ExtensionService
+from hyperpod_sim.domain.account.scheduler_configs import SchedulerConfigService
+from hyperpod_sim.domain.checkpoints.listing import CheckpointCatalog
+from hyperpod_sim.domain.clusters.service import ClusterService
 from hyperpod_sim.domain.errors import (
     AccessDeniedException,
     AwsError,
@@ -24,6 +25,15 @@ from hyperpod_sim.domain.errors import (
     ServiceUnavailable,
 )
 from hyperpod_sim.domain.faults import FaultService
+from hyperpod_sim.domain.jobs import JobService
+from hyperpod_sim.domain.node_operations.add import AddNodesService
+from hyperpod_sim.domain.node_operations.health_checks import HealthCheckService
+from hyperpod_sim.domain.node_operations.move import MoveNodesService
+from hyperpod_sim.domain.node_operations.reboot_replace import NodeOperations
+from hyperpod_sim.domain.node_operations.software_update import SoftwareUpdateService
+from hyperpod_sim.domain.nodes.agents import AgentService
+from hyperpod_sim.domain.nodes.attachments import AttachmentService
+from hyperpod_sim.domain.nodes.sessions import NodeSessionService
 from hyperpod_sim.domain.reconciler import Reconciler
 from hyperpod_sim.models import Database
 from hyperpod_sim.settings import Settings
@@ -32,9 +42,14 @@ log = logging.getLogger(__name__)
 
 AMZ_JSON = "application/x-amz-json-1.1"
 
+Params = dict[str, Any]  # an operation's validated input, AWS member names
 
-@dataclass
+
+@dataclass(frozen=True)
 class Services:
+    """Every service of one control plane, built once by ``api.app.build_services`` and shared by
+    every request: the operation handlers take ``(services, params)``."""
+
     settings: Settings
     db: Database
     clusters: ClusterService
@@ -42,6 +57,16 @@ class Services:
     reconciler: Reconciler
     checkpoints: CheckpointCatalog
     faults: FaultService
+    node_sessions: NodeSessionService
+    jobs: JobService
+    node_operations: NodeOperations
+    software_updates: SoftwareUpdateService
+    add_nodes: AddNodesService
+    health_checks: HealthCheckService
+    moves: MoveNodesService
+    scheduler_configs: SchedulerConfigService
+    cluster_extensions: ExtensionService
+    attachments: AttachmentService
 
 
 def get_services(request: Request) -> Services:
@@ -101,6 +126,11 @@ def as_aws_error(exc: Exception) -> AwsError:
         log.warning("database unavailable: %s", exc)
         return ServiceUnavailable("The service's database is unavailable; retry the request later.")
     log.exception("unexpected error", exc_info=exc)
+    return internal_failure()
+
+
+def internal_failure() -> InternalFailure:
+    """What a caller sees of a bug: no traceback, no detail."""
     return InternalFailure("An internal error occurred; the request was not applied.")
 
 

@@ -10,10 +10,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from hyperpod_sim.api import extension_routes, openapi_doc, shapes
+from hyperpod_sim.api import openapi_doc, shapes
+from hyperpod_sim.api import simulator_routes as extension_routes
 from hyperpod_sim.api.deps import AMZ_JSON
 from hyperpod_sim.api.gate import AGENT_PREFIX, OPEN_PATHS
-from hyperpod_sim.api.operations import OPERATIONS
+from hyperpod_sim.api.registry import OPERATIONS
 from hyperpod_sim.api.rest import ROUTES
 
 

@@ -26,8 +26,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
-from hyperpod_sim.api.deps import Services, ServicesDep, as_aws_error
-from hyperpod_sim.api.operations import dispatch
+from hyperpod_sim.api.deps import Services, ServicesDep
+from hyperpod_sim.api.registry import dispatch
+from hyperpod_sim.api.simulator_api import job_wire
 from hyperpod_sim.domain.overview import OverviewConfig, OverviewService, restore_plan
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class ClusterOverview(OverviewClusterSummary):
     Checkpoints: list[NamespaceView]
     Unreachable: list[str] = Field(description="Running nodes whose agent did not answer.")
     Faults: list[dict[str, Any]] = Field(description="As GET /clusters/{name}/faults.")
+    Jobs: list[dict[str, Any]] = Field(description="As GET /clusters/{name}/jobs: status, attempts, nodes.")
     Events: list[dict[str, Any]] = Field(description=f"The newest {EVENTS_SHOWN}, as ListClusterEvents.")
 
 
@@ -204,10 +206,7 @@ _CONDITIONAL: dict[int | str, dict[str, Any]] = {
 )
 async def clusters_overview(request: Request, services: ServicesDep) -> Response:
     overview, _ = _state(request, services)
-    try:
-        clusters = await run_in_threadpool(overview.clusters)
-    except Exception as exc:
-        raise as_aws_error(exc) from exc
+    clusters = await run_in_threadpool(overview.clusters)
     return _answer(request, {"Clusters": clusters})
 
 
@@ -217,14 +216,15 @@ def _cluster_view(services: Services, overview: OverviewService, agents: _AgentV
     cluster = view["ClusterName"]
 
     def ask_agents() -> tuple[dict[str, int | None], Any]:
-        return overview.memory_held(view["Nodes"]), services.checkpoints.list_checkpoints(name=cluster)
+        return overview.memory_held(name=cluster), services.checkpoints.list_checkpoints(name=cluster)
 
     held, listing = agents.get(cluster, ask_agents)
     for node in view["Nodes"]:
         node["MemoryHeldBytes"] = held.get(node["InstanceId"])
     _, faults = services.faults.list_faults(name=cluster)
+    _, jobs = services.jobs.list_jobs(name=cluster)
     events = dispatch(
-        services.clusters,
+        services,
         "ListClusterEvents",
         {"ClusterName": cluster, "SortOrder": "Descending", "MaxResults": EVENTS_SHOWN},
     )["Events"]
@@ -232,7 +232,8 @@ def _cluster_view(services: Services, overview: OverviewService, agents: _AgentV
         **view,
         "Checkpoints": [{**ns.to_wire(), "Restore": restore_plan(ns)} for ns in listing.namespaces],
         "Unreachable": listing.unreachable,
-        "Faults": faults,
+        "Faults": [fault.wire() for fault in faults],
+        "Jobs": [job_wire(job) for job in jobs],
         "Events": events,
     }
 
@@ -255,7 +256,7 @@ async def cluster_overview(name: str, request: Request, services: ServicesDep) -
     overview, agents = _state(request, services)
     try:
         view = await run_in_threadpool(_cluster_view, services, overview, agents, name)
-    except Exception as exc:
+    except Exception:  # asked again next time; the app's handlers answer the error
         agents.forget(name)
-        raise as_aws_error(exc) from exc
+        raise
     return _answer(request, view)

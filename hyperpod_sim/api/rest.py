@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
 from hyperpod_sim.api import shapes
-from hyperpod_sim.api.deps import ServicesDep, as_aws_error, parse_json
-from hyperpod_sim.api.operations import dispatch
+from hyperpod_sim.api.deps import ServicesDep, parse_json
+from hyperpod_sim.api.registry import dispatch
 from hyperpod_sim.domain.errors import (
     AwsError,
     ConflictException,
@@ -437,10 +437,7 @@ def _make_endpoint(route: Route) -> Callable[..., Any]:
             params.update(body)
         for path_param, member in route.path_members.items():
             params[member] = request.path_params[path_param]
-        try:
-            return await run_in_threadpool(dispatch, services.clusters, route.operation, params)
-        except Exception as exc:
-            raise as_aws_error(exc) from exc
+        return await run_in_threadpool(dispatch, services, route.operation, params)
 
     endpoint.__name__ = route.operation
     return endpoint
@@ -568,11 +565,7 @@ def _strings(*names: str) -> dict[str, Any]:
     },
 )
 async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
-
-    try:
-        cluster = await run_in_threadpool(lambda: services.clusters.agent_bootstrap(name=name))
-    except Exception as exc:
-        raise as_aws_error(exc) from exc
+    cluster = await run_in_threadpool(lambda: services.clusters.agent_bootstrap(name=name))
     url = services.settings.control_plane_url()
     return {
         "ClusterName": cluster.name,
@@ -610,10 +603,7 @@ async def agent_bootstrap(name: str, services: ServicesDep) -> dict[str, str]:
     },
 )
 async def get_checkpoint_token(name: str, services: ServicesDep) -> dict[str, Any]:
-    try:
-        cluster, policy = await run_in_threadpool(lambda: services.clusters.checkpoint_policy(name=name))
-    except Exception as exc:
-        raise as_aws_error(exc) from exc
+    cluster, policy = await run_in_threadpool(lambda: services.clusters.checkpoint_policy(name=name))
     return {
         "ClusterName": cluster.name,
         "ClusterArn": cluster.arn,
@@ -668,8 +658,5 @@ CHECKPOINTS_EXAMPLE = {
     },
 )
 async def list_checkpoints(name: str, services: ServicesDep) -> dict[str, Any]:
-    try:
-        listing = await run_in_threadpool(lambda: services.checkpoints.list_checkpoints(name=name))
-    except Exception as exc:
-        raise as_aws_error(exc) from exc
+    listing = await run_in_threadpool(lambda: services.checkpoints.list_checkpoints(name=name))
     return listing.to_wire()

@@ -29,7 +29,7 @@ import botocore.session
 from botocore.model import NoShapeFoundError, OperationNotFoundError
 
 from hyperpod_sim.api.patterns import pattern_matches
-from hyperpod_sim.contracts import extensions
+from hyperpod_sim.contracts import simulator_api as extensions
 from hyperpod_sim.domain.errors import (
     SerializationException,
     UnknownOperationException,
@@ -342,7 +342,7 @@ def validate_input(
 
 # hyperpod-sim's own members, added to AWS output structures (botocore ignores members its model
 # lacks; raw JSON and REST clients see them). Their shapes are the extensions model's
-# (hyperpod_sim/contracts/extensions.json); documented in the README and the OpenAPI schema.
+# (hyperpod_sim/contracts/simulator_api.json); documented in the README and the OpenAPI schema.
 EXTENSION_MEMBERS: dict[str, frozenset[str]] = {
     "ClusterNodeDetails": frozenset({"AgentStatus"}),
     "ClusterNodeSummary": frozenset({"AgentStatus"}),

@@ -8,16 +8,22 @@ templates are written once here; the ``*_path`` functions fill them in, each pat
 
 from __future__ import annotations
 
-from typing import Any, Literal
-from urllib.parse import quote
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Any, Generic, Literal, TypeVar
+from urllib.parse import quote, unquote
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema
 
+from hyperpod_sim.contracts.agent_bodies import S3StatusError, S3TierStatus, parse_s3_status
 from hyperpod_sim.contracts.limits import MAX_EVENT_MESSAGE, MAX_S3_STATUS_BYTES
 
 #: The ``User-Agent`` prefix of the control plane's requests to agents (policy pushes, the
 #: checkpoint listing's queries): what a NetworkPartition cuts off at the agent.
 CONTROL_PLANE_AGENT = "hyperpod-sim-control-plane"
+
+H = TypeVar("H")  # what a RouteTable binds each route to (the agent's handlers)
 
 # ------------------------------------------------------------------ the control plane's, for agents
 
@@ -32,6 +38,25 @@ NAMESPACE_ROUTE = "/clusters/{cluster}/namespaces/{name}"
 NAMESPACES_RESET_ROUTE = "/clusters/{cluster}/namespaces-reset"
 
 
+@dataclass(frozen=True)
+class S3StatusProblem:
+    """A heartbeat's ``s3`` member that is not an S3TierStatus, and why (``message``)."""
+
+    message: str
+
+
+def read_s3_status(raw: object) -> S3TierStatus | S3StatusProblem | None:
+    """The heartbeat's ``s3`` as received: the status, None, or what is wrong with it."""
+    try:
+        return parse_s3_status(raw)
+    except S3StatusError as exc:
+        return S3StatusProblem(str(exc))
+
+
+def _s3_document(status: S3TierStatus | S3StatusProblem | None) -> dict[str, Any] | None:
+    return status.document() if isinstance(status, S3TierStatus) else None
+
+
 def _segment(value: object) -> str:
     return quote(str(value), safe="")
 
@@ -42,6 +67,16 @@ def agent_api_path(route: str, **parameters: object) -> str:
     return AGENT_API_PREFIX + route.format(**{name: _segment(value) for name, value in parameters.items()})
 
 
+if TYPE_CHECKING:
+    S3Report = S3TierStatus | S3StatusProblem | None
+else:
+    # The value is typed (read_s3_status); the type FastAPI sees is Any, so the published schema
+    # stays what it was (any JSON, described) and lists no model of its own for it.
+    S3Report = Annotated[
+        Any, PlainValidator(read_s3_status), PlainSerializer(_s3_document), WithJsonSchema({})
+    ]
+
+
 class Registration(BaseModel):
     """The body of ``POST /agent/v1/clusters/{cluster}/register``."""
 
@@ -50,7 +85,7 @@ class Registration(BaseModel):
     node_id: str | None = Field(default=None, description="Null for agents of the external provisioner.")
     endpoint: str = Field(
         description="Where the control plane reaches the agent, e.g. http://127.0.0.1:41234",
-        examples=["http://10.0.0.12:9000"],
+        examples=["http://10.0.0.12:9200"],
     )
     pid: int | None = None
     instance_type: str | None = None
@@ -65,8 +100,9 @@ class Heartbeat(BaseModel):
     applied_generation: int = Field(ge=0)
     endpoint: str | None = None
     pid: int | None = None
-    # Typed loosely on purpose: the domain checks it and answers in the protocol's own words.
-    s3: Any = Field(
+    # Never refused here: a bad ``s3`` is a S3StatusProblem, which the domain answers in the
+    # protocol's own words (400 InvalidS3Status), not as a malformed body.
+    s3: S3Report = Field(
         default=None,
         description="The agent's S3 tier, shown as AgentStatus.S3Tier of the node: null, or "
         '{"pending_steps": int, "lag_seconds": float, "persisted_steps_total": int, '
@@ -100,19 +136,204 @@ class NamespaceCreation(BaseModel):
 
 # ------------------------------------------------------------------ each agent's own
 
+# Every route an agent serves is one row of AGENT_ROUTES below: the agent's router is built from
+# them (agents/app.py, agents/tierroutes.py: one handler per row), so a path that is not a template
+# here is not served; every caller fills a template in with ``agent_path``.
+HEALTH_PATH = "/health"  # GET: open
+METRICS_PATH = "/metrics"  # GET: open, the Prometheus text format
 POLICY_PATH = "/v1/policy"  # PUT: the control plane's push (``?reset=true``: a re-sync); GET: open
 CP_NAMESPACE_ROUTE = "/v1/cp/namespaces/{namespace}"
 CP_LATEST_ROUTE = "/v1/cp/checkpoints/{namespace}/latest"
 CP_SHARD_ROUTE = "/v1/cp/checkpoints/{namespace}/{rank}/{step}"
+CP_RESET_ROUTE = "/v1/cp/cluster/reset"
 FAST_RESERVE_ROUTE = "/v1/fast/reserve/{namespace}/{rank}/{step}"
 FAST_COMMIT_ROUTE = "/v1/fast/commit/{token}"
 FAST_ABORT_ROUTE = "/v1/fast/abort/{token}"
 FAST_SHARD_ROUTE = "/v1/fast/shards/{namespace}/{rank}/{step}"
 FAST_RELEASE_ROUTE = "/v1/fast/release/{lease}"
+# The fast path's routes answer under this prefix too: /v1/cp/fast/... is /v1/fast/...
+FAST_ALIAS_PREFIX = "/v1/cp"
 INTERNAL_INDEX_ROUTE = "/v1/internal/index/{namespace}"
 INTERNAL_S3_STEPS_ROUTE = "/v1/internal/s3-steps/{namespace}"
+INTERNAL_SHARD_ROUTE = "/v1/internal/shards/{namespace}/{rank}/{step}"
+INTERNAL_REPLICA_ROUTE = "/v1/internal/replicas/{namespace}/{rank}/{step}"  # PUT ``?owner=<node id>``
+INTERNAL_PERSIST_ROUTE = "/v1/internal/persist/{namespace}/{step}"  # POST a PersistRequest
+INTERNAL_NAMESPACE_ROUTE = "/v1/internal/namespaces/{namespace}"
+INTERNAL_RESET_ROUTE = "/v1/internal/reset"
+# POST ``?save=<id>``: the step's metadata of that save is committed; drop every other save's shards.
+INTERNAL_SAVES_ROUTE = "/v1/internal/saves/{namespace}/{step}"
+# The query parameter of a shard read (GET CP_SHARD_ROUTE, INTERNAL_SHARD_ROUTE) that asks for the
+# copy with this checksum only: a copy of another save of the step is not served (404).
+CHECKSUM_PARAMETER = "checksum"
+SAVE_PARAMETER = "save"  # of INTERNAL_SAVES_ROUTE and of FAST_COMMIT_ROUTE: the shard's save id
+OWNER_PARAMETER = "owner"  # of INTERNAL_REPLICA_ROUTE: the node whose shard the replica is
+
+
+class AgentApi(StrEnum):
+    """Which of an agent's APIs a route is part of: who calls it, and what it needs
+    (docs/agent-protocol.md, "Agent API"; docs/memory-tier.md)."""
+
+    ADMIN = "admin"  # health, metrics, the policy (its push: the control-plane token)
+    LIBRARY = "library"  # /v1/cp: the library's protocol (writes: the checkpoint token under Token)
+    FAST = "fast"  # /v1/fast: the same-host fast path (the checkpoint token under Token)
+    INTERNAL = "internal"  # /v1/internal: agent to agent and the control plane (the cluster token)
+
+
+@dataclass(frozen=True)
+class AgentRoute:
+    """One route of an agent: its method, its path template and the API it belongs to."""
+
+    method: str
+    template: str
+    api: AgentApi
+
+    @property
+    def segments(self) -> tuple[str, ...]:
+        return tuple(self.template.strip("/").split("/"))
+
+
+def _routes(api: AgentApi, *rows: tuple[str, str]) -> tuple[AgentRoute, ...]:
+    return tuple(AgentRoute(method, template, api) for method, template in rows)
+
+
+AGENT_ROUTES: tuple[AgentRoute, ...] = (
+    *_routes(
+        AgentApi.ADMIN,
+        ("GET", HEALTH_PATH),
+        ("GET", POLICY_PATH),
+        ("PUT", POLICY_PATH),
+        ("GET", METRICS_PATH),
+    ),
+    *_routes(
+        AgentApi.LIBRARY,
+        ("GET", CP_NAMESPACE_ROUTE),
+        ("POST", CP_NAMESPACE_ROUTE),
+        ("DELETE", CP_NAMESPACE_ROUTE),
+        ("GET", CP_LATEST_ROUTE),
+        ("POST", CP_SHARD_ROUTE),
+        ("GET", CP_SHARD_ROUTE),
+        ("DELETE", CP_SHARD_ROUTE),
+        ("POST", CP_RESET_ROUTE),
+    ),
+    *_routes(
+        AgentApi.FAST,
+        ("POST", FAST_RESERVE_ROUTE),
+        ("POST", FAST_COMMIT_ROUTE),
+        ("POST", FAST_ABORT_ROUTE),
+        ("GET", FAST_SHARD_ROUTE),
+        ("POST", FAST_RELEASE_ROUTE),
+    ),
+    *_routes(
+        AgentApi.INTERNAL,
+        ("GET", INTERNAL_INDEX_ROUTE),
+        ("GET", INTERNAL_S3_STEPS_ROUTE),
+        ("GET", INTERNAL_SHARD_ROUTE),
+        ("DELETE", INTERNAL_SHARD_ROUTE),
+        ("POST", INTERNAL_SAVES_ROUTE),
+        ("PUT", INTERNAL_REPLICA_ROUTE),
+        ("POST", INTERNAL_PERSIST_ROUTE),
+        ("DELETE", INTERNAL_NAMESPACE_ROUTE),
+        ("POST", INTERNAL_RESET_ROUTE),
+    ),
+)
+
+_BY_KEY = {(route.method, route.template): route for route in AGENT_ROUTES}
+
+
+def agent_route(method: str, template: str) -> AgentRoute:
+    """The route of AGENT_ROUTES with this method and template; KeyError if there is none (a
+    handler for it could never be reached)."""
+    return _BY_KEY[(method, template)]
 
 
 def agent_path(route: str, **parameters: object) -> str:
     """A path of an agent's own API: ``route`` (one of the templates above) filled in."""
     return route.format(**{name: _segment(value) for name, value in parameters.items()})
+
+
+def _is_parameter(segment: str) -> bool:
+    return segment.startswith("{") and segment.endswith("}")
+
+
+class _Node:
+    __slots__ = ("fixed", "methods", "name", "parameter")
+
+    def __init__(self) -> None:
+        self.fixed: dict[str, _Node] = {}
+        self.parameter: _Node | None = None
+        self.name = ""
+        self.methods: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class PathMatch(Generic[H]):
+    """A path that one or more routes serve: what answers each method, and the path's parameters
+    (their values unquoted)."""
+
+    methods: Mapping[str, H]
+    parameters: dict[str, str]
+
+
+class RouteTable(Generic[H]):
+    """The paths of AGENT_ROUTES (their templates), each route bound to what answers it, for the
+    agent's server to look a request's path up in. Built from ``(route, handler)`` pairs: every
+    route is a row of AGENT_ROUTES. A template's ``{name}`` matches one path segment (any text, an
+    empty one too; unquoted); fixed segments win over a parameter. A path is looked up with its
+    leading and trailing ``/`` stripped."""
+
+    def __init__(self, handlers: Iterable[tuple[AgentRoute, H]]) -> None:
+        self._root = _Node()
+        for route, handler in handlers:
+            if _BY_KEY.get((route.method, route.template)) != route:
+                raise ValueError(f"{route.method} {route.template} is not a route of contracts.agent_api")
+            segments = route.segments
+            if route.api is AgentApi.FAST:
+                self._add(segments, route.method, handler)
+                alias = (*FAST_ALIAS_PREFIX.strip("/").split("/"), *segments[1:])
+                self._add(alias, route.method, handler)
+            else:
+                self._add(segments, route.method, handler)
+
+    def _add(self, segments: tuple[str, ...], method: str, handler: H) -> None:
+        node = self._root
+        for segment in segments:
+            if _is_parameter(segment):
+                if node.parameter is None:
+                    node.parameter = _Node()
+                    node.parameter.name = segment[1:-1]
+                elif node.parameter.name != segment[1:-1]:
+                    raise ValueError(
+                        f"two parameter names at one place: {segment} and {{{node.parameter.name}}}"
+                    )
+                node = node.parameter
+            else:
+                node = node.fixed.setdefault(segment, _Node())
+        if method in node.methods:
+            raise ValueError(f"two handlers for {method} /{'/'.join(segments)}")
+        node.methods[method] = handler
+
+    def lookup(self, path: str) -> PathMatch[H] | None:
+        """The routes of ``path``, or None if no template matches it."""
+        parts = path.strip("/").split("/")
+        parameters: dict[str, str] = {}
+        node = self._walk(self._root, parts, 0, parameters)
+        if node is None:
+            return None
+        return PathMatch(node.methods, parameters)
+
+    def _walk(self, node: _Node, parts: list[str], at: int, parameters: dict[str, str]) -> _Node | None:
+        if at == len(parts):
+            return node if node.methods else None
+        part = unquote(parts[at])
+        fixed = node.fixed.get(part)
+        if fixed is not None:
+            found = self._walk(fixed, parts, at + 1, parameters)
+            if found is not None:
+                return found
+        below = node.parameter
+        if below is not None:
+            found = self._walk(below, parts, at + 1, parameters)
+            if found is not None:
+                parameters[below.name] = part
+                return found
+        return None

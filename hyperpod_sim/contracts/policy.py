@@ -1,7 +1,8 @@
 """The node policy: the document the control plane pushes to each node's agent
 (docs/agent-protocol.md, "Policy document").
 
-The control plane builds a ``NodePolicy`` (domain/policy.py); the agent validates what it receives
+The control plane builds a ``NodePolicy`` (domain/checkpoints/
+node_policy.py); the agent validates what it receives
 once, with ``parse_policy`` (agents/state.py), and both read attributes. On the wire it is JSON with
 the snake_case members below; ``document()`` is that JSON, and for a policy parsed from a document
 exactly the members it carried (members a newer control plane adds are kept and echoed, not read).

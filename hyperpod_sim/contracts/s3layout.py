@@ -162,6 +162,9 @@ class CommitMarker:
     committed_at: float  # epoch seconds
     committed_by: str | None  # the node id of the agent that wrote it
     shards: tuple[ShardObject, ...]
+    # The save of the step whose shards these are (the SDK's save id, as the step's metadata
+    # names it); None for shards saved without one (the library's).
+    save: str | None = None
 
     def doc(self) -> dict[str, Any]:
         return {
@@ -173,7 +176,18 @@ class CommitMarker:
             "committed_at": self.committed_at,
             "committed_by": self.committed_by,
             "shards": [shard.doc() for shard in self.shards],
+            "save": self.save,
         }
+
+    @staticmethod
+    def save_of(raw: bytes) -> str | None:
+        """The save a marker's bytes name (None: none, a marker of an earlier version); ValueError,
+        KeyError or TypeError if they are not a marker."""
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or not isinstance(doc["shards"], list):
+            raise TypeError("not a commit marker")
+        save = doc.get("save")
+        return None if save is None else str(save)
 
     @staticmethod
     def shard_of(raw: bytes, rank: int) -> ShardObject | None:

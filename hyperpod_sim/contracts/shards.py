@@ -2,7 +2,9 @@
 
 Every copy of a shard (a trainer's upload, a replica, an S3 object, a same-host read) is checked
 against the base64 of its 16-byte xxh3_128 digest, the checksum amzn-sagemaker-checkpointing sends
-in ``Shard-Meta: {"checksum": "...", "algorithm": "xxh3_128"}``.
+in ``Shard-Meta: {"checksum": "...", "algorithm": "xxh3_128"}``. hyperpod-sim's SDK adds
+``"save"``: the id of the save of the step the shard belongs to (``SAVE_ID``), which the step's
+committed metadata names with each rank's checksum; the library sends none.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import base64
 import binascii
 import json
 import mmap
+import re
 
 import xxhash
 
@@ -21,6 +24,10 @@ SHARD_META = "Shard-Meta"
 TIER_HEADER = "X-Hpsim-Tier"
 
 Bytes = bytes | bytearray | memoryview | mmap.mmap
+# A save id: what the SDK's writer makes per save of a step (32 hex digits); 1 to 64 of these
+# characters are accepted from any sender.
+SAVE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+SAVE_ID_RULE = "1 to 64 characters among letters, digits, '-' and '_'"
 
 
 def checksum_of(data: Bytes) -> str:
@@ -41,9 +48,12 @@ class Checksum:
         return base64.b64encode(self._hasher.digest()).decode("ascii")
 
 
-def shard_meta(checksum: str) -> str:
-    """The ``Shard-Meta`` header of a shard with this checksum."""
-    return json.dumps({"checksum": checksum, "algorithm": ALGORITHM})
+def shard_meta(checksum: str, save: str | None = None) -> str:
+    """The ``Shard-Meta`` header of a shard with this checksum (and of this save, if given)."""
+    doc = {"checksum": checksum, "algorithm": ALGORITHM}
+    if save is not None:
+        doc["save"] = save
+    return json.dumps(doc)
 
 
 class ShardMetaError(ValueError):
@@ -74,3 +84,26 @@ def parse_shard_meta(header: str | None) -> str:
     if algorithm != ALGORITHM:
         raise ShardMetaError("UnsupportedAlgorithm", f"checksum algorithm {algorithm!r}; only {ALGORITHM}")
     return str(checksum)
+
+
+def parse_save(header: str | None) -> str | None:
+    """The save id a ``Shard-Meta`` header carries (``"save"``), or None when it has none (the
+    library's); ShardMetaError (InvalidShardMeta) if it is not a save id. Call it after
+    ``parse_shard_meta`` has accepted the header."""
+    if not header:
+        return None
+    try:
+        meta = json.loads(header)
+    except (ValueError, RecursionError):
+        return None
+    save = meta.get("save") if isinstance(meta, dict) else None
+    if save is None:
+        return None
+    return checked_save(save, what="the Shard-Meta header's save")
+
+
+def checked_save(save: object, *, what: str = "save") -> str:
+    """``save`` if it is a save id; ShardMetaError (InvalidShardMeta) otherwise."""
+    if not isinstance(save, str) or SAVE_ID.fullmatch(save) is None:
+        raise ShardMetaError("InvalidShardMeta", f"{what} is not a save id ({SAVE_ID_RULE})")
+    return save

@@ -53,6 +53,15 @@ def record(
     return event
 
 
+def node_event(
+    session: Session, node: Node, description: str, *, ids: Ids, now: datetime, level: Level = Level.INFO
+) -> ClusterEvent:
+    """An event about ``node``, in the cluster it belongs to (``record`` for the common case)."""
+    return record(
+        session, ids=ids, now=now, cluster=node.cluster, node=node, level=level, description=description
+    )
+
+
 def move(
     session: Session,
     entity: Cluster | InstanceGroup | Node,
@@ -66,7 +75,7 @@ def move(
 ) -> None:
     """Move a cluster, group or node to ``target`` (a bug if its transition table does not allow
     it) and, with ``description``, record the event that says so, in the caller's transaction.
-    ``cluster``: the group's or node's cluster (its events are the cluster's)."""
+    ``cluster``: where the event goes, by default the group's or node's own cluster."""
     if isinstance(entity, Cluster):
         entity.status = check_transition(entity.status, ClusterStatus(target))
         cluster = entity
@@ -77,7 +86,7 @@ def move(
     if description is None:
         return
     if cluster is None:
-        raise ValueError("the event of a group's or node's move needs its cluster")
+        cluster = entity if isinstance(entity, Cluster) else entity.cluster
     record(
         session,
         ids=ids,

@@ -23,7 +23,7 @@ processes:
 
 S3 faults act on every agent of the cluster: they travel in the node policy (``faults.s3``), so a
 change bumps the policy generation and is pushed like any other; the agents apply them in their S3
-client (hyperpod_sim/agents/s3objects.py). One S3 fault at a time per cluster. ``S3Latency`` delays every
+client (hyperpod_sim/agents/s3/objects.py). One S3 fault at a time per cluster. ``S3Latency`` delays every
 request, ``S3Errors`` answers a share of them 503 SlowDown (``Throttle``) or 500 InternalError,
 ``S3Outage`` fails them all. Without ``DurationSeconds`` they last until cleared.
 
@@ -44,15 +44,15 @@ Each injection and each end is a cluster event.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import get_args
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from hyperpod_sim.contracts import extensions
+from hyperpod_sim.contracts import simulator_api as extensions
+from hyperpod_sim.contracts.policy import S3Fault
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.cluster_reads import get_cluster
@@ -66,18 +66,32 @@ from hyperpod_sim.domain.errors import (
 from hyperpod_sim.domain.events import Level
 from hyperpod_sim.domain.lifecycle import ClusterStatus, NodeStatus, bump_generation
 from hyperpod_sim.domain.provisioning import Provisioner
+from hyperpod_sim.domain.service import DomainService
 from hyperpod_sim.models import Cluster, Database, Node
-from hyperpod_sim.models.db import Outage
+from hyperpod_sim.models.db import HANG, OUTAGE, Outage
+from hyperpod_sim.models.faults import (
+    ClearedControlPlaneFault,
+    ClearedFault,
+    ControlPlaneFault,
+    ErrorKind,
+    Fault,
+    FaultType,
+    HealthFaultType,
+    NodeFaultType,
+    S3FaultType,
+)
 
-NODE_FAULTS = ("AgentCrash", "NodeLoss", "AgentHang", "NetworkPartition")
-S3_FAULTS = ("S3Latency", "S3Errors", "S3Outage")
-# Faults a node's deep health check finds (domain/health_checks.py); its agent is left alone, so they
+NODE_FAULTS: tuple[NodeFaultType, ...] = get_args(NodeFaultType)
+S3_FAULTS: tuple[S3FaultType, ...] = get_args(S3FaultType)
+# Faults a node's deep health check finds (domain/node_operations/health_checks.py); its agent is left alone,
+# so they
 # work in every provisioning mode. In force until cleared or until the node is gone.
-HEALTH_FAULTS = ("DeepHealthCheckFailure",)
-# The model's FaultType enum (hyperpod_sim/contracts/extensions.json), in its order; a test holds them equal.
-FAULT_TYPES = (*NODE_FAULTS, *S3_FAULTS, *HEALTH_FAULTS)
-CONTROL_PLANE_FAULTS = ("DatabaseOutage",)
-DEFAULT_ERROR_KIND = "Throttle"
+HEALTH_FAULTS: tuple[HealthFaultType, ...] = get_args(HealthFaultType)
+# The model's FaultType enum (contracts/simulator_api.json), in its order; a test holds them equal.
+FAULT_TYPES: tuple[FaultType, ...] = (*NODE_FAULTS, *S3_FAULTS, *HEALTH_FAULTS)
+CONTROL_PLANE_FAULTS = (OUTAGE, HANG)  # the model's ControlPlaneFaultType enum, in its order
+ERROR_KINDS: tuple[ErrorKind, ...] = get_args(ErrorKind)
+DEFAULT_ERROR_KIND: ErrorKind = "Throttle"
 # Cluster statuses in which faults are accepted: the cluster runs, whether or not a rollout is on.
 ACCEPTING = (ClusterStatus.IN_SERVICE, ClusterStatus.UPDATING)
 LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING)
@@ -85,26 +99,31 @@ LIVE = (NodeStatus.PENDING, NodeStatus.RUNNING)
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """A fault to inject, its members checked against the model (hyperpod_sim/contracts/extensions.json: the
+    """A fault to inject, its members checked against the model (contracts/simulator_api.json: the
     members each ``type`` takes and requires, and their limits) by the API. What no shape can
     say is checked here: an ``error_rate`` above 0."""
 
-    type: str
+    type: FaultType
     instance_id: str | None = None
     duration_s: int | None = None
     latency_ms: int | None = None
     error_rate: float | None = None
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
 
     def __post_init__(self) -> None:
-        """What the domain relies on, for callers other than the API too: the members the type's
-        shape requires are set, and an ``error_rate`` is above 0 (which no shape can say)."""
+        """What the domain relies on, for callers other than the API too: a type and error kind of
+        the model's, the members the type's shape requires set, and an ``error_rate`` above 0
+        (which no shape can say)."""
+        if self.type not in FAULT_TYPES:
+            raise validation_error([_not_one_of("type", self.type, FAULT_TYPES)])
         errors = [
             f"Value null at '{member[0].lower() + member[1:]}' failed to satisfy constraint: "
             "Member must not be null"
             for member, field in _FIELDS.items()
-            if getattr(self, field) is None and self.type in FAULT_TYPES and member in _required(self.type)
+            if getattr(self, field) is None and member in _required(self.type)
         ]
+        if self.error_kind is not None and self.error_kind not in ERROR_KINDS:
+            errors.append(_not_one_of("errorKind", self.error_kind, ERROR_KINDS))
         if self.error_rate is not None and not self.error_rate > 0:
             errors.append(
                 f"Value '{echo(self.error_rate)}' at 'errorRate' failed to satisfy constraint: "
@@ -128,66 +147,77 @@ def _required(kind: str) -> tuple[str, ...]:
     return extensions.required(f"{kind}InjectFaultRequest")
 
 
+def _not_one_of(member: str, value: object, allowed: tuple[str, ...]) -> str:
+    """The API's message for a value outside an enum of the model."""
+    return (
+        f"Value '{echo(value)}' at '{member}' failed to satisfy constraint: Member must satisfy enum "
+        f"value set: [{', '.join(allowed)}]"
+    )
+
+
 # ---------------------------------------------------------------------- stored faults
 
 
-def active_faults(cluster: Cluster) -> list[dict[str, Any]]:
-    """The faults in force, in their wire shape (the ``faults`` column)."""
+def in_force(cluster: Cluster) -> list[Fault]:
+    """The faults in force (the ``faults`` column), oldest first."""
     return list(cluster.faults or [])
+
+
+def on_node(cluster: Cluster, node_id: str) -> Fault | None:
+    """The fault in force on a node (at most one at a time)."""
+    return next((f for f in in_force(cluster) if f.instance_id == node_id), None)
 
 
 def lost_nodes(cluster: Cluster) -> set[str]:
     """Nodes with a NodeLoss in force: their agent is not to be restarted."""
-    return {f["InstanceId"] for f in active_faults(cluster) if f["Type"] == "NodeLoss"}
+    return {f.instance_id for f in in_force(cluster) if f.type == "NodeLoss" and f.instance_id is not None}
 
 
 def failing_health_checks(cluster: Cluster) -> set[str]:
     """Nodes with a DeepHealthCheckFailure in force: their deep health checks fail."""
-    return {f["InstanceId"] for f in active_faults(cluster) if f["Type"] in HEALTH_FAULTS}
+    return {f.instance_id for f in in_force(cluster) if f.type in HEALTH_FAULTS and f.instance_id is not None}
 
 
-def s3_fault_document(cluster: Cluster) -> dict[str, Any] | None:
+def s3_fault_policy(cluster: Cluster) -> S3Fault | None:
     """The ``faults.s3`` member of the node policy: what the agents apply to their S3 requests."""
-    fault = next((f for f in active_faults(cluster) if f["Type"] in S3_FAULTS), None)
+    fault = next((f for f in in_force(cluster) if f.type in S3_FAULTS), None)
     if fault is None:
         return None
-    return {
-        "fault_id": fault["FaultId"],
-        "type": fault["Type"],
-        "latency_ms": fault.get("LatencyMs"),
-        "error_rate": fault.get("ErrorRate"),
-        "error_kind": fault.get("ErrorKind"),
-        "outage": fault["Type"] == "S3Outage",
-        "until": fault.get("EndsAt"),
-    }
+    return S3Fault(
+        fault_id=fault.fault_id,
+        type=fault.type,
+        latency_ms=fault.latency_ms,
+        error_rate=fault.error_rate,
+        error_kind=fault.error_kind,
+        outage=fault.type == "S3Outage",
+        until=fault.ends_at,
+    )
 
 
-def _describe(fault: dict[str, Any]) -> str:
-    kind = fault["Type"]
-    what = f"{kind} on node {fault['InstanceId']}" if kind in (*NODE_FAULTS, *HEALTH_FAULTS) else kind
+def _describe(fault: Fault) -> str:
+    kind = fault.type
+    what = f"{kind} on node {fault.instance_id}" if kind in (*NODE_FAULTS, *HEALTH_FAULTS) else kind
     details = []
-    if "LatencyMs" in fault:
-        details.append(f"{fault['LatencyMs']} ms per S3 request")
-    if "ErrorRate" in fault:
-        code = "503 SlowDown" if fault["ErrorKind"] == "Throttle" else "500 InternalError"
-        details.append(f"{fault['ErrorRate']:g} of S3 requests answered {code}")
+    if fault.latency_ms is not None:
+        details.append(f"{fault.latency_ms} ms per S3 request")
+    if fault.error_rate is not None:
+        code = "503 SlowDown" if fault.error_kind == "Throttle" else "500 InternalError"
+        details.append(f"{fault.error_rate:g} of S3 requests answered {code}")
     if kind == "S3Outage":
         details.append("every S3 request fails with 503")
-    if "DurationSeconds" in fault:
-        details.append(f"for {fault['DurationSeconds']} s")
+    if fault.duration_seconds is not None:
+        details.append(f"for {fault.duration_seconds} s")
     elif kind in S3_FAULTS:
         details.append("until cleared")
     return f"{what} ({', '.join(details)})" if details else what
 
 
-def _end(
-    session: Session, *, ids: Ids, now: datetime, cluster: Cluster, fault: dict[str, Any], reason: str
-) -> None:
+def _end(session: Session, *, ids: Ids, now: datetime, cluster: Cluster, fault: Fault, reason: str) -> None:
     """Drop a fault from the cluster's list (the caller does what ending it takes) with an event."""
-    cluster.faults = [f for f in active_faults(cluster) if f["FaultId"] != fault["FaultId"]]
-    node = _node(cluster, fault.get("InstanceId"))
-    description = f"Fault {fault['FaultId']} ended: {_describe(fault)}; {reason}."
-    if fault["Type"] in S3_FAULTS:
+    cluster.faults = [f for f in in_force(cluster) if f.fault_id != fault.fault_id]
+    node = _node(cluster, fault.instance_id)
+    description = f"Fault {fault.fault_id} ended: {_describe(fault)}; {reason}."
+    if fault.type in S3_FAULTS:
         bump_generation(cluster)
         description += f" Policy generation {cluster.generation}."
     events.record(session, ids=ids, now=now, cluster=cluster, node=node, description=description)
@@ -203,10 +233,10 @@ def _node(cluster: Cluster, node_id: str | None) -> Node | None:
 _UNDONE = ("AgentHang", "NetworkPartition")
 
 
-def _undo(provisioner: Provisioner, node: Node, fault: dict[str, Any]) -> None:
-    if fault["Type"] == "AgentHang":
+def _undo(provisioner: Provisioner, node: Node, fault: Fault) -> None:
+    if fault.type == "AgentHang":
         provisioner.resume_agent(node)
-    elif fault["Type"] == "NetworkPartition":
+    elif fault.type == "NetworkPartition":
         provisioner.heal_agent(node)
 
 
@@ -218,16 +248,16 @@ def end_due_faults(
     changed = False
     due: datetime | None = None
     epoch = now.timestamp()
-    for fault in active_faults(cluster):
-        node = _node(cluster, fault.get("InstanceId"))
-        ends_at = fault.get("EndsAt")
-        if fault["Type"] == "NodeLoss" and (node is None or node.status not in LIVE):
+    for fault in in_force(cluster):
+        node = _node(cluster, fault.instance_id)
+        ends_at = fault.ends_at
+        if fault.type == "NodeLoss" and (node is None or node.status not in LIVE):
             state = "gone" if node is None else node.status
             _end(session, ids=ids, now=now, cluster=cluster, fault=fault, reason=f"the node is {state}")
-        elif fault["Type"] in HEALTH_FAULTS and (node is None or node.status == NodeStatus.SHUTTING_DOWN):
+        elif fault.type in HEALTH_FAULTS and (node is None or node.status == NodeStatus.SHUTTING_DOWN):
             state = "gone" if node is None else "shutting down"
             _end(session, ids=ids, now=now, cluster=cluster, fault=fault, reason=f"the node is {state}")
-        elif fault["Type"] in _UNDONE and (node is None or node.status == NodeStatus.SHUTTING_DOWN):
+        elif fault.type in _UNDONE and (node is None or node.status == NodeStatus.SHUTTING_DOWN):
             # A replaced or deleted node's agent was sent SIGTERM and SIGCONT by its provisioner; a
             # partition is healed so that its agent can say goodbye to the control plane.
             if node is not None:
@@ -236,7 +266,7 @@ def end_due_faults(
         elif ends_at is not None and ends_at <= epoch:
             if node is not None:
                 _undo(provisioner, node, fault)
-            reason = f"its {fault['DurationSeconds']} s passed"
+            reason = f"its {fault.duration_seconds} s passed"
             _end(session, ids=ids, now=now, cluster=cluster, fault=fault, reason=reason)
         else:
             if ends_at is not None:
@@ -250,32 +280,19 @@ def end_due_faults(
 # ---------------------------------------------------------------------- the service
 
 
-class FaultService:
+@dataclass(kw_only=True, eq=False)
+class FaultService(DomainService):
     """Inject, list and clear faults. Keyword-only arguments; raise AwsError subclasses; no HTTP."""
 
-    def __init__(
-        self,
-        *,
-        db: Database,
-        clock: Clock,
-        ids: Ids,
-        provisioner: Provisioner,
-        provisioning_mode: str,
-        on_change: Callable[[], None] = lambda: None,
-    ) -> None:
-        self.db = db
-        self.clock = clock
-        self.ids = ids
-        self.provisioner = provisioner
-        self.provisioning_mode = provisioning_mode
-        self.on_change = on_change
+    provisioner: Provisioner
+    provisioning_mode: str
 
     def _cluster(self, session: Session, name: str, *, lock: bool = False) -> Cluster:
         return get_cluster(session, name, selectinload(Cluster.nodes), lock=lock)
 
-    def inject_fault(self, *, name: str, spec: FaultSpec) -> tuple[Cluster, dict[str, Any]]:
-        """Inject one fault now; its record (``FaultId``, ``Type``, the members given, ``InjectedAt``,
-        ``EndsAt`` where it has a duration)."""
+    def inject_fault(self, *, name: str, spec: FaultSpec) -> tuple[Cluster, Fault]:
+        """Inject one fault now; the cluster (its policy generation as the fault left it) and the
+        fault (its id, the members given, when it was injected and, with a duration, ends)."""
         node_fault = spec.type in NODE_FAULTS
         if node_fault and not self.provisioner.owns_agents:
             raise ValidationException(
@@ -293,32 +310,30 @@ class FaultService:
                     f"Cluster '{cluster.name}' is {cluster.status}; faults can be injected only while it is "
                     "InService or Updating."
                 )
-            current = active_faults(cluster)
-            fault: dict[str, Any] = {"FaultId": self.ids.fault_id(), "Type": spec.type}
-            if spec.instance_id is not None:
-                fault["InstanceId"] = spec.instance_id
-            if spec.duration_s is not None:
-                fault["DurationSeconds"] = spec.duration_s
-            if spec.latency_ms is not None:
-                fault["LatencyMs"] = spec.latency_ms
-            if spec.error_rate is not None:
-                fault["ErrorRate"] = spec.error_rate
-                fault["ErrorKind"] = spec.error_kind or DEFAULT_ERROR_KIND
-            fault["InjectedAt"] = now.timestamp()
-            if spec.duration_s is not None:
-                fault["EndsAt"] = now.timestamp() + spec.duration_s
+            current = in_force(cluster)
+            fault = Fault(
+                fault_id=self.ids.fault_id(),
+                type=spec.type,
+                instance_id=spec.instance_id,
+                duration_seconds=spec.duration_s,
+                latency_ms=spec.latency_ms,
+                error_rate=spec.error_rate,
+                error_kind=(spec.error_kind or DEFAULT_ERROR_KIND) if spec.error_rate is not None else None,
+                injected_at=now.timestamp(),
+                ends_at=now.timestamp() + spec.duration_s if spec.duration_s is not None else None,
+            )
             node = None
             if node_fault:
-                node = self._live_node(cluster, spec, current)
+                node = self._live_node(cluster, spec)
                 detail = self._act_on_node(node, fault)
             elif spec.type in HEALTH_FAULTS:
-                node = self._live_node(cluster, spec, current)
+                node = self._live_node(cluster, spec)
                 detail = "its deep health checks fail while it is in force (StartClusterHealthCheck)"
             else:
-                running = next((f for f in current if f["Type"] in S3_FAULTS), None)
+                running = next((f for f in current if f.type in S3_FAULTS), None)
                 if running is not None:
                     raise ConflictException(
-                        f"Fault {running['FaultId']} ({running['Type']}) is in force on cluster "
+                        f"Fault {running.fault_id} ({running.type}) is in force on cluster "
                         f"'{cluster.name}'; one S3 fault at a time: clear it first."
                     )
                 bump_generation(cluster)
@@ -332,13 +347,12 @@ class FaultService:
                 cluster=cluster,
                 node=node,
                 level=Level.WARN,
-                description=f"Fault {fault['FaultId']} injected: {_describe(fault)}; {detail}.",
+                description=f"Fault {fault.fault_id} injected: {_describe(fault)}; {detail}.",
             )
-            answer = {**fault, "PolicyGeneration": cluster.generation}
         self.on_change()
-        return cluster, answer
+        return cluster, fault
 
-    def _live_node(self, cluster: Cluster, spec: FaultSpec, current: list[dict[str, Any]]) -> Node:
+    def _live_node(self, cluster: Cluster, spec: FaultSpec) -> Node:
         node = _node(cluster, spec.instance_id)
         if node is None or node.status == NodeStatus.SHUTTING_DOWN:
             raise ResourceNotFound(f"Node '{spec.instance_id}' does not exist in cluster '{cluster.name}'.")
@@ -346,20 +360,21 @@ class FaultService:
             raise ConflictException(
                 f"Node {node.id} is {node.status}; node faults are injected into Pending or Running nodes."
             )
-        held = next((f for f in current if f.get("InstanceId") == node.id), None)
+        held = on_node(cluster, node.id)
         if held is not None:
             raise ConflictException(
-                f"Fault {held['FaultId']} ({held['Type']}) is in force on node {node.id}; clear it or wait "
+                f"Fault {held.fault_id} ({held.type}) is in force on node {node.id}; clear it or wait "
                 "for it to end first."
             )
         return node
 
-    def _act_on_node(self, node: Node, fault: dict[str, Any]) -> str:
+    def _act_on_node(self, node: Node, fault: Fault) -> str:
         """Signal the node's agent (inside the transaction that records the fault: the reconciler,
         which holds the same lock, never sees the agent gone without the fault)."""
-        kind = fault["Type"]
+        kind = fault.type
         if kind == "NetworkPartition":
-            pids = self.provisioner.partition_agent(node, fault_id=fault["FaultId"], until=fault["EndsAt"])
+            assert fault.ends_at is not None  # FaultSpec holds its required DurationSeconds
+            pids = self.provisioner.partition_agent(node, fault_id=fault.fault_id, until=fault.ends_at)
             agent = f"agent pid {', '.join(map(str, pids))}" if pids else "the node's agent (restarting)"
             return (
                 f"{agent} and the control plane can no longer reach each other; trainers and peer "
@@ -380,85 +395,96 @@ class FaultService:
         memory = "its shared memory wiped" if kind == "NodeLoss" else "its shared memory kept"
         return f"{agent}, {memory}"
 
-    def list_faults(self, *, name: str) -> tuple[Cluster, list[dict[str, Any]]]:
+    def list_faults(self, *, name: str) -> tuple[Cluster, list[Fault]]:
         """The faults in force, oldest first (those past their end, not yet ended by the reconciler,
         are left out)."""
         epoch = self.clock.now().timestamp()
         with self.db.read() as session:
             cluster = self._cluster(session, name)
-            found = [f for f in active_faults(cluster) if f.get("EndsAt") is None or f["EndsAt"] > epoch]
+            found = [f for f in in_force(cluster) if f.ends_at is None or f.ends_at > epoch]
             return cluster, found
 
-    def clear_fault(self, *, name: str, fault_id: str) -> tuple[Cluster, dict[str, Any]]:
+    def clear_fault(self, *, name: str, fault_id: str) -> tuple[Cluster, ClearedFault]:
         """End an S3 fault or a hang now. A NodeLoss cannot be undone: it ends when the node fails."""
         now = self.clock.now()
         with self.db.write() as session:
             cluster = self._cluster(session, name, lock=True)
             end_due_faults(session, ids=self.ids, now=now, cluster=cluster, provisioner=self.provisioner)
-            fault = next((f for f in active_faults(cluster) if f["FaultId"] == fault_id), None)
+            fault = next((f for f in in_force(cluster) if f.fault_id == fault_id), None)
             if fault is None:
                 raise ResourceNotFound(f"Fault '{fault_id}' is not in force in cluster '{cluster.name}'.")
-            if fault["Type"] == "NodeLoss":
+            if fault.type == "NodeLoss":
                 raise ValidationException(
                     f"Fault {fault_id} (NodeLoss) cannot be cleared: the node's memory is gone. It ends when "
                     "the control plane has failed the node."
                 )
-            node = _node(cluster, fault.get("InstanceId"))
+            node = _node(cluster, fault.instance_id)
             if node is not None:
                 _undo(self.provisioner, node, fault)
             _end(session, ids=self.ids, now=now, cluster=cluster, fault=fault, reason="cleared")
-            answer = {**fault, "ClearedAt": now.timestamp(), "PolicyGeneration": cluster.generation}
         self.on_change()
-        return cluster, answer
+        return cluster, ClearedFault(**dict(fault), cleared_at=now.timestamp())
 
     # ------------------------------------------------------------------ the control plane's own
 
-    def inject_control_plane_fault(self, *, duration_s: int) -> dict[str, Any]:
-        """Start a DatabaseOutage of ``duration_s`` seconds now (its injection recorded in every
-        cluster's events first, while the database still answers)."""
-        running = self._outage_record()
+    def inject_control_plane_fault(self, *, duration_s: int, kind: str = OUTAGE) -> ControlPlaneFault:
+        """Start a DatabaseOutage or a DatabaseHang of ``duration_s`` seconds now (its injection
+        recorded in every cluster's events first, while the database still answers)."""
+        if kind not in CONTROL_PLANE_FAULTS:
+            raise ValidationException(_not_one_of("type", kind, CONTROL_PLANE_FAULTS))
+        running = self._running_outage()
         if running is not None:
             raise ConflictException(
-                f"Fault {running['FaultId']} ({running['Type']}) is in force; one at a time: clear it first."
+                f"Fault {running.fault_id} ({running.kind}) is in force; one at a time: clear it first."
             )
+        # One that has run its time but that the reconciler has not reported yet ends first, or
+        # the new one would take its place and its end never be recorded.
+        report_ended_outage(db=self.db, clock=self.clock, ids=self.ids)
         now = self.clock.now()
         fault_id = self.ids.fault_id()
         description = (
-            f"Fault {fault_id} injected: DatabaseOutage (every database request fails, for "
-            f"{duration_s} s); the control plane answers 503 ServiceUnavailable until it ends."
+            f"Fault {fault_id} injected: {_what(kind, duration_s)}; the control plane answers 503 "
+            "ServiceUnavailable until it ends"
+            + (
+                f" (a request whose database answer does not come within {self.db.timeouts.answer_s:g} s)."
+                if kind == HANG
+                else "."
+            )
         )
         with self.db.write() as session:
             for cluster in session.scalars(select(Cluster)):
                 events.record(
                     session, ids=self.ids, now=now, cluster=cluster, level=Level.WARN, description=description
                 )
-        outage = self.db.begin_outage(fault_id=fault_id, duration_s=duration_s)
-        return _outage_wire(outage)
+        outage = self.db.begin_outage(fault_id=fault_id, duration_s=duration_s, kind=kind)
+        return _outage_fault(outage)
 
-    def _outage_record(self) -> dict[str, Any] | None:
+    def _running_outage(self) -> Outage | None:
         outage = self.db.outage()
-        return _outage_wire(outage) if outage is not None and outage.ended_at is None else None
+        return outage if outage is not None and outage.ended_at is None else None
 
-    def list_control_plane_faults(self) -> list[dict[str, Any]]:
+    def list_control_plane_faults(self) -> list[ControlPlaneFault]:
         """The control-plane faults in force (no database needed)."""
-        record = self._outage_record()
-        return [record] if record is not None else []
+        outage = self._running_outage()
+        return [_outage_fault(outage)] if outage is not None else []
 
-    def clear_control_plane_fault(self, *, fault_id: str) -> dict[str, Any]:
-        """End a DatabaseOutage now; its end is recorded in every cluster's events."""
-        current = self._outage_record()
-        if current is None or current["FaultId"] != fault_id:
+    def clear_control_plane_fault(self, *, fault_id: str) -> ClearedControlPlaneFault:
+        """End a DatabaseOutage or DatabaseHang now; its end is recorded in every cluster's events
+        (the statements a hang holds go on at once)."""
+        current = self._running_outage()
+        if current is None or current.fault_id != fault_id:
             raise ResourceNotFound(f"Fault '{fault_id}' is not in force in this control plane.")
         outage = self.db.end_outage(fault_id=fault_id)
         if outage is None:  # it ended by itself meanwhile, and was reported
             raise ResourceNotFound(f"Fault '{fault_id}' is not in force in this control plane.")
         _report_outage(db=self.db, clock=self.clock, ids=self.ids, outage=outage, reason="cleared")
         self.on_change()
-        return {**_outage_wire(outage), "ClearedAt": outage.ended_at}
+        assert outage.ended_at is not None  # end_outage has set it
+        return ClearedControlPlaneFault(**dict(_outage_fault(outage)), cleared_at=outage.ended_at)
 
 
 def report_ended_outage(*, db: Database, clock: Clock, ids: Ids) -> bool:
-    """The reconciler's part: once a DatabaseOutage has run its time and the database answers
+    """The reconciler's part: once a DatabaseOutage or DatabaseHang has run its time and the database answers
     again, record its end in every cluster's events and forget it. Whether one was reported."""
     outage = db.outage()
     if outage is None or outage.ended_at is None:
@@ -468,12 +494,22 @@ def report_ended_outage(*, db: Database, clock: Clock, ids: Ids) -> bool:
     return True
 
 
+def _what(kind: str, duration_s: float) -> str:
+    if kind == HANG:
+        silent = "every database request waits for an answer that does not come"
+        return f"DatabaseHang ({silent}, for {duration_s:g} s)"
+    return f"DatabaseOutage (every database request fails, for {duration_s:g} s)"
+
+
 def _report_outage(*, db: Database, clock: Clock, ids: Ids, outage: Outage, reason: str) -> None:
     now = clock.now()
     refused = "1 request" if outage.refused == 1 else f"{outage.refused} requests"
+    meanwhile = f"{refused} to the database failed meanwhile"
+    if outage.kind == HANG:
+        held = "1 was" if outage.held == 1 else f"{outage.held} were"
+        meanwhile += f" and {held} answered late"
     description = (
-        f"Fault {outage.fault_id} ended: DatabaseOutage (every database request fails, for "
-        f"{outage.duration_s:g} s); {reason}. {refused} to the database failed meanwhile; "
+        f"Fault {outage.fault_id} ended: {_what(outage.kind, outage.duration_s)}; {reason}. {meanwhile}; "
         "reconciliation resumed."
     )
     with db.write() as session:
@@ -481,11 +517,11 @@ def _report_outage(*, db: Database, clock: Clock, ids: Ids, outage: Outage, reas
             events.record(session, ids=ids, now=now, cluster=cluster, description=description)
 
 
-def _outage_wire(outage: Outage) -> dict[str, Any]:
-    return {
-        "FaultId": outage.fault_id,
-        "Type": "DatabaseOutage",
-        "DurationSeconds": int(outage.duration_s),
-        "InjectedAt": outage.started_at,
-        "EndsAt": outage.started_at + outage.duration_s,
-    }
+def _outage_fault(outage: Outage) -> ControlPlaneFault:
+    return ControlPlaneFault(
+        fault_id=outage.fault_id,
+        type=outage.kind,
+        duration_seconds=int(outage.duration_s),
+        injected_at=outage.started_at,
+        ends_at=outage.started_at + outage.duration_s,
+    )

@@ -22,7 +22,7 @@ class ClusterStatus(StrEnum):
     UPDATING = "Updating"
     DELETING = "Deleting"
     FAILED = "Failed"
-    # UpdateClusterSoftware rolls through the nodes (domain/software_update.py).
+    # UpdateClusterSoftware rolls through the nodes (domain/node_operations/software_update.py).
     SYSTEM_UPDATING = "SystemUpdating"
 
 
@@ -33,9 +33,9 @@ class NodeStatus(StrEnum):
     SHUTTING_DOWN = "ShuttingDown"
     # Its batch of a rolling software update: its agent stopped, its memory cleared, started again.
     SYSTEM_UPDATING = "SystemUpdating"
-    # StartClusterHealthCheck runs its deep health checks (domain/health_checks.py).
+    # StartClusterHealthCheck runs its deep health checks (domain/node_operations/health_checks.py).
     DEEP_HEALTH_CHECK_IN_PROGRESS = "DeepHealthCheckInProgress"
-    # MoveClusterNodes (domain/move_nodes.py): in its source group while its agent stops, then in
+    # MoveClusterNodes (domain/node_operations/move.py): in its source group while its agent stops, then in
     # the target group until its new agent has registered there and applied the target's policy.
     DETACH_IN_PROGRESS = "DetachInProgress"
     ATTACH_IN_PROGRESS = "AttachInProgress"
@@ -75,7 +75,7 @@ CLUSTER_TRANSITIONS: dict[ClusterStatus, frozenset[ClusterStatus]] = {
 
 GROUP_TRANSITIONS: dict[GroupStatus, frozenset[GroupStatus]] = {
     # A new group is InService once its cluster is (every node Running with the current policy).
-    # Failed with its cluster's creation, when its nodes cannot start (domain/recovery.py).
+    # Failed with its cluster's creation, when its nodes cannot start (domain/nodes/recovery.py).
     GroupStatus.CREATING: frozenset({GroupStatus.IN_SERVICE, GroupStatus.DELETING, GroupStatus.FAILED}),
     GroupStatus.IN_SERVICE: frozenset({GroupStatus.UPDATING, GroupStatus.DELETING}),
     GroupStatus.UPDATING: frozenset({GroupStatus.IN_SERVICE, GroupStatus.DELETING}),

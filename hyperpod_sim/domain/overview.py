@@ -5,7 +5,7 @@ The clusters' summaries come from the database alone, and so does a cluster's vi
 their place in the replica ring, their replica peers, their memory budget. What only the agents
 know, the bytes each in-memory tier holds, is asked separately (``memory_held``: the agent's
 ``/metrics``, ``hpsim_tier_bytes_held``), in parallel and with a short timeout, as the checkpoint
-listing asks them (hyperpod_sim/domain/checkpoints.py); an agent that does not answer shows no bytes held.
+listing asks them (domain/checkpoints/listing.py); an agent that does not answer shows no bytes held.
 """
 
 from __future__ import annotations
@@ -20,15 +20,17 @@ from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
 from hyperpod_sim.contracts.agent_api import CONTROL_PLANE_AGENT
-from hyperpod_sim.domain.checkpoint_policy import CheckpointPolicy
-from hyperpod_sim.domain.checkpoints import NamespaceCheckpoints
+from hyperpod_sim.contracts.agent_bodies import S3TierStatus
+from hyperpod_sim.domain.checkpoints.cluster_policy import CheckpointPolicy
+from hyperpod_sim.domain.checkpoints.listing import NamespaceCheckpoints
+from hyperpod_sim.domain.checkpoints.node_policy import memory_budget_bytes, ring
 from hyperpod_sim.domain.cluster_reads import get_cluster
 from hyperpod_sim.domain.lifecycle import NodeStatus
-from hyperpod_sim.domain.policy import memory_budget_bytes, ring
-from hyperpod_sim.models import Cluster, Database
+from hyperpod_sim.models import Cluster, Database, Node
+from hyperpod_sim.models.groups import TieredStorage
 
 HELD_METRIC = "hpsim_tier_bytes_held"
-# Nodes that take part in the replica ring (as the policy builder counts them, hyperpod_sim/domain/agents.py).
+# Nodes that take part in the replica ring (as the policy builder counts them, domain/nodes/agents.py).
 _RING = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.FAILURE)
 
 
@@ -58,7 +60,7 @@ def cluster_summary(cluster: Cluster) -> dict[str, Any]:
         "CreationTime": cluster.creation_time.timestamp(),
         "Orchestrator": _orchestrator(cluster),
         "NodeRecovery": cluster.node_recovery,
-        "TieredStorageConfig": cluster.tiered_storage or {"Mode": "Disable"},
+        "TieredStorageConfig": (cluster.tiered_storage or TieredStorage(mode="Disable")).wire(),
         "DesiredPolicyGeneration": cluster.generation,
         "AppliedPolicyGeneration": _applied_everywhere(cluster),
         "NodeCounts": dict(sorted(Counter(n.status for n in cluster.nodes).items())),
@@ -120,6 +122,7 @@ class OverviewService:
                 session, name, selectinload(Cluster.instance_groups), selectinload(Cluster.nodes)
             )
             summary = cluster_summary(cluster)
+            tiered = cluster.tiered_storage is not None and cluster.tiered_storage.enabled
             policy = CheckpointPolicy.from_stored(cluster.checkpoint_policy)
             factor = policy.replication_factor
             members = ring(cluster, [n for n in cluster.nodes if n.status in _RING])
@@ -128,9 +131,10 @@ class OverviewService:
             for position, node in enumerate([*members, *others]):
                 in_ring = position < len(members)
                 peers = []
-                if in_ring and summary["TieredStorageConfig"].get("Mode") == "Enable":
+                if in_ring and tiered:
                     count = min(factor, len(members) - 1)
                     peers = [members[(position + k) % len(members)].id for k in range(1, count + 1)]
+                s3 = node.s3_status or S3TierStatus()
                 nodes.append(
                     {
                         "InstanceId": node.id,
@@ -146,19 +150,25 @@ class OverviewService:
                             cluster, node.instance_type, self.config.memory_scale
                         ),
                         "MemoryHeldBytes": None,
-                        "S3LagSeconds": (node.s3_status or {}).get("lag_seconds"),
-                        "S3PendingSteps": (node.s3_status or {}).get("pending_steps"),
-                        "LastError": node.last_error or (node.s3_status or {}).get("last_error"),
+                        "S3LagSeconds": s3.lag_seconds,
+                        "S3PendingSteps": s3.pending_steps,
+                        "LastError": node.last_error or s3.last_error,
                     }
                 )
-        return {**summary, "CheckpointPolicy": policy.to_wire(), "Nodes": nodes}
+        return {**summary, "CheckpointPolicy": policy.wire(), "Nodes": nodes}
 
-    def memory_held(self, nodes: list[dict[str, Any]]) -> dict[str, int | None]:
-        """Node id -> the bytes its agent's tier holds, for the Running nodes of a ``cluster`` view
-        (asked in parallel; None for an agent that does not answer)."""
-        asked = [n for n in nodes if n["Status"] == NodeStatus.RUNNING and n["Endpoint"]]
-        found = self._pool.map(self._held, [n["Endpoint"] for n in asked])
-        return {node["InstanceId"]: held for node, held in zip(asked, found, strict=True)}
+    def memory_held(self, *, name: str) -> dict[str, int | None]:
+        """Node id -> the bytes its agent's tier holds, for the cluster's Running nodes with an
+        agent (asked in parallel; None for an agent that does not answer)."""
+        query = (
+            select(Node.id, Node.endpoint)
+            .join(Cluster)
+            .where(Cluster.name == name, Node.status == NodeStatus.RUNNING, Node.endpoint.is_not(None))
+        )
+        with self.db.read() as session:
+            asked = [(node_id, endpoint) for node_id, endpoint in session.execute(query)]
+        found = self._pool.map(self._held, [endpoint for _, endpoint in asked])
+        return {node_id: held for (node_id, _), held in zip(asked, found, strict=True)}
 
     def _held(self, endpoint: str) -> int | None:
         try:

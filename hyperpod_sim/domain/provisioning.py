@@ -33,11 +33,17 @@ class Provisioner(Protocol):
     #: Whether nodes have agents (registration, heartbeats, policy pushes).
     uses_agents: bool
 
-    def launch(self, cluster: Cluster, node: Node) -> None:
+    def launch(self, cluster: Cluster, node: Node) -> bool:
         """Start the node's agent. Called after the node's row is committed, in a transaction that
         holds the cluster row (the agent's registration waits for it): a provisioner that starts
-        the process binds the node to a launch secret (domain/credentials.py) and hands it to that
-        process only. May raise OSError."""
+        the process binds the node to a launch secret (domain/nodes/credentials.py) and hands it to that
+        process only. Whether it started a process (not when one already runs). May raise OSError."""
+
+    def unlaunch(self, node_id: str) -> None:
+        """Undo a :meth:`launch` whose transaction failed (the database did not answer): its agent
+        holds a launch secret the database never recorded, so it could never register. SIGKILL it
+        and forget it (not an exited agent, nor a failed start: the reconciler starts it again);
+        its shared memory stays."""
 
     def terminate(self, node: Node) -> None:
         """Stop the node's agent, if this provisioner owns it. Called on every reconcile pass while
@@ -99,6 +105,10 @@ class Provisioner(Protocol):
     def heal_agent(self, node: Node) -> bool:
         """End the node's partition; whether it had one."""
 
+    def session_environment(self, node: Node) -> dict[str, str]:
+        """What a command run on the node gets in its environment (``node exec``: the node, its
+        agent, the control plane as the node reaches it); the node's end ends such commands."""
+
 
 class _NoProcesses:
     """Provisioners that own no agent processes: nothing to restart, no node faults."""
@@ -114,6 +124,12 @@ class _NoProcesses:
     def stop_agent(self, node: Node) -> None:
         return None
 
+    def terminate(self, node: Node) -> None:
+        return None
+
+    def unlaunch(self, node_id: str) -> None:
+        return None
+
     def wipe_memory(self, node: Node) -> None:
         return None
 
@@ -125,6 +141,9 @@ class _NoProcesses:
 
     def pause_agent(self, node: Node) -> list[int]:
         raise NotImplementedError("this provisioner owns no agent processes")
+
+    def session_environment(self, node: Node) -> dict[str, str]:
+        raise NotImplementedError("this provisioner runs nothing on its nodes")
 
     def resume_agent(self, node: Node) -> list[int]:
         raise NotImplementedError("this provisioner owns no agent processes")
@@ -139,11 +158,8 @@ class _NoProcesses:
 class SimulatedProvisioner(_NoProcesses):
     uses_agents = False
 
-    def launch(self, cluster: Cluster, node: Node) -> None:
-        return None
-
-    def terminate(self, node: Node) -> None:
-        return None
+    def launch(self, cluster: Cluster, node: Node) -> bool:
+        return False
 
     def has_stopped(self, node: Node) -> bool:
         return True
@@ -158,11 +174,9 @@ class SimulatedProvisioner(_NoProcesses):
 class ExternalProvisioner(_NoProcesses):
     uses_agents = True
 
-    def launch(self, cluster: Cluster, node: Node) -> None:
+    def launch(self, cluster: Cluster, node: Node) -> bool:
         log.info("node %s of %s waits for an external agent", node.id, cluster.name)
-
-    def terminate(self, node: Node) -> None:
-        return None
+        return False
 
     def has_stopped(self, node: Node) -> bool:
         # Nothing here can see the agent: it learns of the deletion from the 404 that answers its

@@ -22,23 +22,19 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from hyperpod_sim.domain import (
-    events,
-    faults,
-    health_checks,
-    node_operations,
-    operations,
-    recovery,
-    software_update,
-)
-from hyperpod_sim.domain.checkpoint_policy import S3Endpoint
+from hyperpod_sim.domain import events, faults
+from hyperpod_sim.domain import operation_records as operations
+from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
+from hyperpod_sim.domain.checkpoints.pushes import PolicyPusher, PushConfig, claim_pushes
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.lifecycle import LEAVING, ClusterStatus, GroupStatus, NodeStatus, bump_generation
-from hyperpod_sim.domain.node_health import NodeHealth
-from hyperpod_sim.domain.nodes import new_node
+from hyperpod_sim.domain.node_operations import health_checks, software_update
+from hyperpod_sim.domain.node_operations import reboot_replace as node_operations
+from hyperpod_sim.domain.nodes import recovery
+from hyperpod_sim.domain.nodes.health import NodeHealth
+from hyperpod_sim.domain.nodes.node_set import NO_ADDRESSES, NodeAddresses, new_node
 from hyperpod_sim.domain.outcome import Outcome
 from hyperpod_sim.domain.provisioning import Provisioner
-from hyperpod_sim.domain.pushes import PolicyPusher, PushConfig, claim_pushes
 from hyperpod_sim.models import Cluster, Database, InstanceGroup, Node, Tag
 
 log = logging.getLogger(__name__)
@@ -59,10 +55,12 @@ class ReconcilerConfig:
     # Restart the crashed agent of a Pending or Running node (local provisioner), as a kubelet
     # restarts a daemon, instead of letting its node fail.
     restart_agents: bool = True
-    # Bounded failure loops (hyperpod_sim/domain/recovery.py): failed starts of a node's agent before
+    # Bounded failure loops (hyperpod_sim/domain/nodes/recovery.py): failed starts of a node's agent before
     # its node fails, and replacements in a row of a slot's nodes that failed before registering.
     start_attempts: int = 4
     replace_limit: int = 3
+    # Where new nodes' addresses come from (hyperpod_sim/domain/nodes/node_set.py).
+    addresses: NodeAddresses = NO_ADDRESSES
 
 
 class Reconciler:
@@ -105,6 +103,7 @@ class Reconciler:
             restart_agents=config.restart_agents,
             start_attempts=config.start_attempts,
             replace_limit=config.replace_limit,
+            addresses=config.addresses,
         )
         self._adopted = False
         # When this control plane came up: no node is failed for the silence before (its agent
@@ -113,6 +112,9 @@ class Reconciler:
         # Nodes whose agent this control plane started again at its start (README, "What a restart
         # keeps"): each has as long to register as a new node's.
         self._started_again: set[str] = set()
+        # Cluster id -> nodes whose agent start was asked for by a pass whose launch transaction
+        # then failed (the database did not answer): started by the next pass over the cluster.
+        self._unlaunched: dict[str, set[str]] = {}
         self._stopped = False
 
     # ------------------------------------------------------------------ thread
@@ -226,7 +228,7 @@ class Reconciler:
             if cluster is None:  # gone, or another control plane holds it
                 return Outcome()
             outcome = self.step(session, cluster)
-        if outcome.launches:
+        if outcome.launches or cluster_id in self._unlaunched:
             self._launch_agents(cluster_id, outcome.launches)
             outcome.again = outcome.changed = True
         if outcome.pushes:
@@ -374,7 +376,7 @@ class Reconciler:
                 outcome.converged = False
             for node in nodes:
                 up = self._bring_up(session, cluster, node, now, outcome)
-                # A failed node that its group's stopped recovery keeps (domain/recovery.py) holds
+                # A failed node that its group's stopped recovery keeps (domain/nodes/recovery.py) holds
                 # no update up: the cluster says why in its FailureMessage.
                 outcome.converged &= up or (
                     node.status == NodeStatus.FAILURE and group.recovery_stopped is not None
@@ -401,7 +403,6 @@ class Reconciler:
                 NodeStatus.SHUTTING_DOWN,
                 ids=self.ids,
                 now=now,
-                cluster=cluster,
                 description=f"Node {node.id} is shutting down (scale-down).",
             )
         return by_preference[surplus:]
@@ -467,16 +468,23 @@ class Reconciler:
 
     def _back_since(self) -> datetime:
         """Since when the control plane could hear its agents: silence before does not count
-        against a node (the database's last failure, when heartbeats were refused, the epoch if it
-        never failed; this control plane's start, before which nobody was there to hear)."""
-        return max(datetime.fromtimestamp(self.db.last_unavailable_at, tz=UTC), self._up_since)
+        against a node (the database's last failure or stall, when heartbeats were refused or could
+        not be recorded, now while a statement waits for its answer, the epoch if it never failed;
+        this control plane's start, before which nobody was there to hear)."""
+        return max(datetime.fromtimestamp(self.db.unavailable_until(), tz=UTC), self._up_since)
 
     def _new_node(
         self, session: Session, cluster: Cluster, group: InstanceGroup, now: datetime, outcome: Outcome
     ) -> Node:
         """A Pending node in ``group``; its agent starts once the transaction has committed."""
         node = new_node(
-            session, cluster, group, now, ids=self.ids, ready_delay_s=self.config.node_ready_delay_s
+            session,
+            cluster,
+            group,
+            now,
+            ids=self.ids,
+            ready_delay_s=self.config.node_ready_delay_s,
+            addresses=self.config.addresses,
         )
         if self.provisioner.uses_agents:
             outcome.launches.append(node.id)
@@ -550,41 +558,63 @@ class Reconciler:
 
     def _launch_agents(self, cluster_id: str, node_ids: list[str]) -> None:
         """Start agents for committed nodes; a node whose agent cannot start is tried again after a
-        backoff, and fails after the last attempt (hyperpod_sim/domain/recovery.py)."""
-        with self.db.write() as session:
-            # Locked: an agent's registration (which locks it too) waits for its launch secret.
-            cluster = session.get(Cluster, cluster_id, with_for_update=True)
-            if cluster is None:
-                return
-            now = self.clock.now()
-            for node in session.scalars(select(Node).where(Node.id.in_(node_ids))):
-                try:
-                    self.provisioner.launch(cluster, node)
-                except OSError as exc:
-                    recovery.start_failed(
-                        session,
-                        cluster,
-                        node,
-                        now,
-                        f"its agent could not be started: {exc}",
-                        ids=self.ids,
-                        attempts=self.config.start_attempts,
-                    )
-                else:
-                    recovery.started(node)
+        backoff, and fails after the last attempt (hyperpod_sim/domain/nodes/recovery.py). When the
+        transaction fails (the database does not answer), the agents it started hold launch secrets
+        that were never committed and could never register: they are stopped at once, and started
+        again by the next pass that gets through (never a Running node whose agent cannot get in)."""
+        node_ids = list(dict.fromkeys([*self._unlaunched.pop(cluster_id, ()), *node_ids]))
+        started: list[str] = []
+        try:
+            with self.db.write() as session:
+                # Locked: an agent's registration (which locks it too) waits for its launch secret.
+                cluster = session.get(Cluster, cluster_id, with_for_update=True)
+                if cluster is None:
+                    return
+                now = self.clock.now()
+                lost = faults.lost_nodes(cluster)
+                for node in session.scalars(select(Node).where(Node.id.in_(node_ids))):
+                    if node.status in (NodeStatus.FAILURE, *LEAVING) or node.id in lost:
+                        continue  # failed, leaving or lost since the pass that asked for it
+                    try:
+                        if self.provisioner.launch(cluster, node):
+                            started.append(node.id)
+                    except OSError as exc:
+                        recovery.start_failed(
+                            session,
+                            cluster,
+                            node,
+                            now,
+                            f"its agent could not be started: {exc}",
+                            ids=self.ids,
+                            attempts=self.config.start_attempts,
+                        )
+                    else:
+                        recovery.started(node)
+        except OperationalError:
+            for node_id in started:
+                self.provisioner.unlaunch(node_id)
+            self._unlaunched[cluster_id] = set(node_ids)
+            raise
 
 
 def _agents_of(count: int) -> str:
     return "the agent of 1 node" if count == 1 else f"the agents of {count} nodes"
 
 
+def _were(count: int) -> str:
+    """The verb that agrees with ``_agents_of(count)``."""
+    return "was" if count == 1 else "were"
+
+
 def _started(counts: Counter[str]) -> str:
     parts = []
     if counts["adopted"]:
-        parts.append(f"{_agents_of(counts['adopted'])} kept running and were adopted")
+        adopted = counts["adopted"]
+        parts.append(f"{_agents_of(adopted)} kept running and {_were(adopted)} adopted")
     if counts["started again"]:
+        again = counts["started again"]
         parts.append(
-            f"{_agents_of(counts['started again'])} were started again on their nodes (same node ids, "
+            f"{_agents_of(again)} {_were(again)} started again on their nodes (same node ids, "
             "same shared-memory directories)"
         )
     return f"The control plane started: {'; '.join(parts)}."

@@ -36,8 +36,12 @@ from datetime import datetime
 from pathlib import Path
 
 from hyperpod_sim.contracts import partition
-from hyperpod_sim.domain import credentials
+from hyperpod_sim.domain.nodes import credentials
 from hyperpod_sim.domain.provisioning import ExternalProvisioner, Provisioner, SimulatedProvisioner
+from hyperpod_sim.infra import netns
+from hyperpod_sim.infra.addresses import AGENT_PORT
+from hyperpod_sim.infra.netns_exec import trampoline_argv
+from hyperpod_sim.infra.node_processes import ON_NODE, end_node_processes
 from hyperpod_sim.infra.processes import (
     Pidfile,
     agent_processes,
@@ -57,6 +61,9 @@ log = logging.getLogger(__name__)
 # the agent's own settings (HPSIM_AGENT_*, agents/config.py: no other HPSIM_ setting is the
 # agent's), and its S3 client's (AWS_*: the boto3 chain of the S3 tier; proxies and CA bundles).
 # Never HPSIM_AUTH__*, HPSIM_DATABASE__* or another variable of serve's (docs/security.md).
+SESSIONS_MARK = "sessions"  # in a node's agent dir: a command was started on the node
+NETNS_VARIABLE = "HPSIM_NODE_NETNS"  # a session's: the node's network namespace (cli/nodes.py)
+
 AGENT_ENV_NAMES = frozenset(
     {
         "PYTHONPATH",
@@ -94,7 +101,8 @@ class _Agent:
 
 @dataclass
 class LocalProvisioner:
-    """Agents as child processes on loopback ports of this machine."""
+    """Agents as child processes on this machine: each at port 9200 of its node's address (the
+    loopback network), or on a free port of 127.0.0.1 (the shared network: a node without one)."""
 
     command: Sequence[str]
     control_plane_url: str
@@ -107,12 +115,17 @@ class LocalProvisioner:
     agent_env: Mapping[str, str] = field(default_factory=dict)
     uses_agents: bool = True
     owns_agents: bool = True
+    # The namespaces node network (infra/netns.py): each node a network namespace its agent runs
+    # in, a NetworkPartition a route in it; None: the loopback or shared network.
+    network: netns.NodeNetwork | None = None
     # node id -> its agent, running or exited (until it is started again or its node is gone).
     _agents: dict[str, _Agent] = field(default_factory=dict)
     # node id -> when its agent was sent SIGTERM, for the SIGKILL of agents that do not stop.
     _stopping: dict[str, float] = field(default_factory=dict)
     # Deleted nodes whose shared memory goes once their agent is gone.
     _wipe: set[str] = field(default_factory=set)
+    # Deleted nodes whose network namespace goes once their agent is gone (namespaces network).
+    _unnet: set[str] = field(default_factory=set)
 
     def shm_dir(self, node_id: str) -> Path:
         return self.shm_root / node_id
@@ -124,9 +137,9 @@ class LocalProvisioner:
         agent = self._agents.get(node_id)
         return agent if agent is not None and agent.alive() else None
 
-    def launch(self, cluster: Cluster, node: Node) -> None:
+    def launch(self, cluster: Cluster, node: Node) -> bool:
         if self._running(node.id) is not None:
-            return  # already running (a control plane restarted while its agents lived on)
+            return False  # already running (a control plane restarted while its agents lived on)
         agent_dir = self.agent_dir(node.id)
         agent_dir.mkdir(parents=True, exist_ok=True)
         argv = [
@@ -139,6 +152,12 @@ class LocalProvisioner:
             *("--shm-dir", str(self.shm_dir(node.id))),
             *("--heartbeat-interval", str(self.heartbeat_interval_s)),
         ]
+        if node.address is not None:  # the loopback network: the node's address, HyperPod's port
+            argv += ["--host", node.address, "--port", str(AGENT_PORT)]
+        if self.network is not None and node.address is not None:
+            # Its namespace first (idempotent: a restarted control plane finds it there), then the
+            # agent inside it. NamespaceError is an OSError: a failed start, tried again.
+            argv = trampoline_argv(netns.ensure_node(self.network, node.id, node.address), argv)
         # A new launch secret for this process only (the node registers with it, once; an earlier
         # process's stops working). It travels in the environment, not on the command line that
         # `ps` shows to every user; the database keeps only its digest.
@@ -155,23 +174,81 @@ class LocalProvisioner:
         node.pid = process.pid
         self._agents[node.id] = _Agent(pidfile, process)
         log.info("started agent of %s (pid %d)", node.id, process.pid)
+        return True
+
+    def unlaunch(self, node_id: str) -> None:
+        agent = self._agents.pop(node_id, None)
+        if agent is None:
+            return
+        log.warning(
+            "stopping agent of %s (pid %d): its launch secret was never committed", node_id, agent.pid
+        )
+        if agent.alive() and signal_group(agent.pid, signal.SIGKILL) and agent.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.process.wait(timeout=5)  # collected now, so that it is not left as a zombie
+
+    def session_environment(self, node: Node) -> dict[str, str]:
+        """What a command run on the node gets in its environment (``node exec``): the node, its
+        agent, its address and the control plane as the node reaches it, and the mark by which
+        the node's end ends it (infra/node_processes.py). The node is remembered as having had
+        commands, so that its end looks for them (a restart of serve included)."""
+        agent_dir = self.agent_dir(node.id)
+        agent_dir.mkdir(parents=True, exist_ok=True)
+        (agent_dir / SESSIONS_MARK).touch()
+        inside = {}
+        if self.network is not None and node.address is not None:
+            inside = {NETNS_VARIABLE: netns.namespace_name(node.id)}  # node exec runs CMD in it
+        return {
+            **inside,
+            ON_NODE: node.id,
+            "HPSIM_NODE_ID": node.id,
+            "HPSIM_NODE_ADDRESS": node.address or "127.0.0.1",
+            "HPSIM_AGENT_URL": node.endpoint or "",
+            "HPSIM_ENDPOINT_URL": self.control_plane_url,
+            "HPSIM_CONTROL_PLANE_URL": self.control_plane_url,
+            "HPSIM_SIMULATION__SHM_ROOT": str(self.shm_root),
+        }
+
+    def end_node_processes(self, node: Node) -> list[int]:
+        """End what runs on the node besides its agent, as losing the machine would (SIGKILL)."""
+        if not (self.agent_dir(node.id) / SESSIONS_MARK).exists():
+            return []
+        ended = end_node_processes([node.id])
+        if ended:
+            log.info("ended %d process(es) on node %s: %s", len(ended), node.id, ended)
+        return ended
 
     def terminate(self, node: Node) -> None:
         """Stop the agent of a deleted node (one SIGTERM, however often this is called); its
-        shared memory goes once the agent has exited."""
+        shared memory goes once the agent has exited. What else runs on it ends at once."""
+        self.end_node_processes(node)
         agent = self._running(node.id)
         if agent is not None and node.id not in self._stopping and signal_group(agent.pid, signal.SIGTERM):
             signal_group(agent.pid, signal.SIGCONT)  # a stopped (hung) agent must wake to see it
             self._stopping[node.id] = time.monotonic()
         if node.id in self._agents:  # an agent of another control plane's is left to it
             self._wipe.add(node.id)
+        if self.network is not None:
+            self._unnet.add(node.id)
 
     def has_stopped(self, node: Node) -> bool:
-        return self._running(node.id) is None
+        stopped = self._running(node.id) is None
+        if stopped and node.id in self._unnet:
+            # Its agent has drained (it needed the network for that): its namespace goes now,
+            # before its row, so that no restart of serve can lose track of it.
+            try:
+                netns.remove_node(node.id)
+            except OSError as exc:
+                log.warning("cannot remove the network of node %s yet (tried again): %s", node.id, exc)
+                return False
+            self._unnet.discard(node.id)
+        return stopped
 
     def stop_agent(self, node: Node) -> None:
         """Stop the agent of a node that stays (a reboot): one SIGTERM (and SIGCONT, should it be
-        hung), SIGKILL by ``reap`` after the grace period; its shared memory stays."""
+        hung), SIGKILL by ``reap`` after the grace period; its shared memory stays. What else runs
+        on it ends at once, as a reboot ends a machine's processes."""
+        self.end_node_processes(node)
         agent = self._running(node.id)
         if agent is not None and node.id not in self._stopping and signal_group(agent.pid, signal.SIGTERM):
             signal_group(agent.pid, signal.SIGCONT)
@@ -284,8 +361,12 @@ class LocalProvisioner:
         self.reap()
 
     def kill_agent(self, node: Node, *, wipe_memory: bool) -> list[int]:
+        """SIGKILL the node's agent; with ``wipe_memory`` (the node is lost) everything else on
+        it too, and its shared memory."""
         agent = self._running(node.id)
         pids = [agent.pid] if agent is not None and signal_group(agent.pid, signal.SIGKILL) else []
+        if wipe_memory:
+            self.end_node_processes(node)  # logged there; the answer names the agent's pids
         if agent is not None and agent.process is not None:
             # Collect our child now, so that it is not left as a zombie.
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -305,12 +386,20 @@ class LocalProvisioner:
         return self._signal(node, signal.SIGCONT)
 
     def partition_agent(self, node: Node, *, fault_id: str, until: float) -> list[int]:
-        partition.write_rule(self.agent_dir(node.id), fault_id=fault_id, until=until)
+        if self.network is not None and netns.namespace_exists(netns.namespace_name(node.id)):
+            # In the kernel: a blackhole route to the control plane inside the node's namespace,
+            # until the reconciler ends the fault (heal_agent); the agent knows nothing of it.
+            netns.set_partition(self.network, node.id, cut=True)
+        else:
+            partition.write_rule(self.agent_dir(node.id), fault_id=fault_id, until=until)
         agent = self._running(node.id)
         return [agent.pid] if agent is not None else []
 
     def heal_agent(self, node: Node) -> bool:
-        return partition.remove_rule(self.agent_dir(node.id))
+        healed = partition.remove_rule(self.agent_dir(node.id))
+        if self.network is not None:
+            healed = netns.set_partition(self.network, node.id, cut=False) or healed
+        return healed
 
     def reap(self) -> None:
         """Collect exited agents; SIGKILL those that ignore SIGTERM past the grace period; remove
@@ -352,6 +441,7 @@ def make_provisioner(
     shm_root: Path,
     kill_grace_s: float,
     agent_env: Mapping[str, str] | None = None,
+    network: netns.NodeNetwork | None = None,
 ) -> Provisioner:
     if mode == "simulated":
         return SimulatedProvisioner()
@@ -365,4 +455,5 @@ def make_provisioner(
         shm_root=shm_root,
         kill_grace_s=kill_grace_s,
         agent_env=dict(agent_env or {}),
+        network=network,
     )

@@ -23,6 +23,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hyperpod_sim.contracts.processes import process_stat as _stat
+from hyperpod_sim.contracts.processes import start_time as start_time
+
 PIDFILE = "agent.pid"
 
 
@@ -66,26 +69,6 @@ class Pidfile:
         return start_time(self.pid) == self.start_time
 
 
-def _stat(pid: int) -> list[bytes] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (the state, field 3, first);
-    None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except OSError:
-        return None
-    # The command name (field 2) is in parentheses and may hold anything, spaces included.
-    return stat[stat.rindex(b")") + 2 :].split()
-
-
-def start_time(pid: int) -> int | None:
-    """The kernel's start time of process ``pid``; None if there is none, or only its zombie."""
-    fields = _stat(pid)
-    if fields is None or fields[0] in (b"Z", b"X"):  # exited, not yet collected
-        return None
-    return int(fields[19])
-
-
 def parent_pid(pid: int) -> int | None:
     """The pid of process ``pid``'s parent; None if there is no such process."""
     fields = _stat(pid)
@@ -103,7 +86,7 @@ def command_line(pid: int) -> list[str] | None:
 
 # What every child of the control plane may inherit from its environment: how to run a program and
 # where its temporary files and locale are. Nothing else passes unless the child's own allow-list
-# names it (infra/local.py's agents, seaweedfs.py's weed): serve's environment holds its secrets
+# names it (infra/local.py's agents, serve/seaweedfs.py's weed): serve's environment holds its secrets
 # (HPSIM_AUTH__*, a database URL with its password), and no child needs them (docs/security.md).
 BASE_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TMPDIR", "TZ", "LD_LIBRARY_PATH"})
 BASE_ENV_PREFIXES = ("LC_",)

@@ -31,12 +31,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
 
 from hyperpod_sim.contracts.agent_api import (
+    CHECKSUM_PARAMETER,
     CP_LATEST_ROUTE,
     CP_NAMESPACE_ROUTE,
     CP_SHARD_ROUTE,
@@ -45,7 +46,17 @@ from hyperpod_sim.contracts.agent_api import (
     FAST_RELEASE_ROUTE,
     FAST_RESERVE_ROUTE,
     FAST_SHARD_ROUTE,
+    SAVE_PARAMETER,
     agent_path,
+)
+from hyperpod_sim.contracts.agent_bodies import (
+    AgentBody,
+    FastCommitted,
+    FastLocation,
+    FastReservation,
+    NamespaceAnswer,
+    SpareBuffer,
+    problem_of,
 )
 from hyperpod_sim.contracts.shards import (
     SHARD_META,
@@ -58,6 +69,7 @@ from hyperpod_sim.contracts.shards import (
 from hyperpod_sim.sdk.device_copy import CudaHostRegistrar, HostRegistrar
 
 log = logging.getLogger(__name__)
+Body = TypeVar("Body", bound=AgentBody)
 
 # Mappings kept per client: the rotation of one rank is in-memory retention + 1 files; several
 # namespaces or ranks per process need a few more.
@@ -76,9 +88,9 @@ class AgentError(Exception):
 
 
 class ReservationLost(AgentError):
-    """A write reserved ahead that the agent no longer holds at its commit (it restarted, the write
-    expired, or the namespace was reset): the bytes are in a file the agent gave up, so the shard
-    is written again into a new reservation."""
+    """A write that the agent no longer holds at its commit (it restarted, the write expired, or,
+    for one reserved ahead, the namespace was reset): the bytes are in a file the agent gave up,
+    so the shard is written again (a new reservation, or over HTTP)."""
 
 
 class UntrustedPath(Exception):
@@ -224,7 +236,7 @@ class AgentClient:
         )
         self._mappings: OrderedDict[str, _Mapping] = OrderedDict()
         self._read_maps: OrderedDict[str, tuple[mmap.mmap, tuple[int, int]]] = OrderedDict()
-        self._namespaces: dict[str, dict[str, Any]] = {}  # known to exist (a save per step asks once)
+        self._namespaces: dict[str, NamespaceAnswer] = {}  # known to exist (a save per step asks once)
         # (namespace, rank) -> its next write, reserved when its last one was committed.
         self._ahead: dict[tuple[str, int], FastWrite] = {}
         self._lock = threading.Lock()
@@ -279,10 +291,10 @@ class AgentClient:
             f"{what}: {response.status_code} {code}: {message}", status=response.status_code, code=code
         )
 
-    def ensure_namespace(self, namespace: str, *, num_ranks: int, steps_retained: int) -> dict[str, Any]:
+    def ensure_namespace(self, namespace: str, *, num_ranks: int, steps_retained: int) -> NamespaceAnswer:
         """The namespace, created if it does not exist; AgentError if it exists with another rank count."""
         known = self._namespaces.get(namespace)
-        if known is not None and int(known["num_ranks"]) == num_ranks:
+        if known is not None and known.num_ranks == num_ranks:
             return known
         path = agent_path(CP_NAMESPACE_ROUTE, namespace=namespace)
         response = self._call("GET", path)
@@ -294,11 +306,11 @@ class AgentClient:
                 response = self._call("GET", path)
         if response.status_code not in (200, 201):
             raise self._fail(response, f"namespace {namespace!r}")
-        doc: dict[str, Any] = response.json()
+        doc = _parsed(NamespaceAnswer, response, f"namespace {namespace!r}")
         self._namespaces[namespace] = doc
-        if int(doc["num_ranks"]) != num_ranks:
+        if doc.num_ranks != num_ranks:
             raise AgentError(
-                f"namespace {namespace!r} has {doc['num_ranks']} ranks (world size + 1 for the metadata), "
+                f"namespace {namespace!r} has {doc.num_ranks} ranks (world size + 1 for the metadata), "
                 f"not {num_ranks}: use another namespace for another world size"
             )
         return doc
@@ -313,8 +325,18 @@ class AgentClient:
             raise self._fail(response, "latest")
         return [int(s) for s in response.json()]
 
-    def put(self, namespace: str, rank: int, step: int, data: bytes | bytearray | memoryview) -> None:
-        meta = shard_meta(checksum_of(data))
+    def put(
+        self,
+        namespace: str,
+        rank: int,
+        step: int,
+        data: bytes | bytearray | memoryview,
+        *,
+        save: str | None = None,
+    ) -> str:
+        """Save a shard over HTTP (of save ``save`` of its step, if given); its checksum."""
+        checksum = checksum_of(data)
+        meta = shard_meta(checksum, save)
         view = memoryview(data).cast("B")
         # In 1 MiB pieces: httpcore sends a bytes body by slicing off what each send took, which
         # copies the rest every time (a 1 GiB body took minutes); the length is known up front.
@@ -325,11 +347,19 @@ class AgentClient:
         )  # fmt: skip
         if response.status_code != 200:
             raise self._fail(response, f"save of rank {rank} step {step}")
+        return checksum
 
-    def get(self, namespace: str, rank: int, step: int) -> tuple[bytes, str] | None:
+    def get(
+        self, namespace: str, rank: int, step: int, *, checksum: str | None = None
+    ) -> tuple[bytes, str] | None:
         """The shard's bytes (verified by the agent, checked again here) and the tier that served
-        them (memory, replica, peer, s3); None if no good copy exists anywhere."""
-        response = self._call("GET", agent_path(CP_SHARD_ROUTE, namespace=namespace, rank=rank, step=step))
+        them (memory, replica, peer, s3); None if no good copy exists anywhere. ``checksum``: only
+        the copy with that checksum (the one the step's committed metadata names)."""
+        response = self._call(
+            "GET",
+            agent_path(CP_SHARD_ROUTE, namespace=namespace, rank=rank, step=step),
+            params={} if checksum is None else {CHECKSUM_PARAMETER: checksum},
+        )
         if response.status_code == 404:
             return None
         if response.status_code != 200:
@@ -340,6 +370,8 @@ class AgentClient:
             raise AgentError(f"rank {rank} step {step} arrived without a usable checksum: {exc}") from exc
         if checksum_of(response.content) != expected:
             raise AgentError(f"rank {rank} step {step} arrived corrupted (checksum mismatch)")
+        if checksum is not None and expected != checksum:
+            raise AgentError(f"rank {rank} step {step} arrived as another save's copy (checksum {expected})")
         return response.content, response.headers.get(TIER_HEADER, "memory")
 
     # ------------------------------------------------------------------ fast path
@@ -372,14 +404,14 @@ class AgentClient:
         if response.status_code != 200:
             raise self._fail(response, f"reservation for rank {rank} step {step}")
         try:
-            doc = response.json()
-            token, buffer_id, path = str(doc["token"]), str(doc["buffer_id"]), doc["path"]
-            if int(doc.get("size", size)) != size:
-                raise UntrustedPath(f"the agent reserved {doc['size']} bytes, not the {size} asked for")
+            doc = FastReservation.parse(response.content)
+            token, buffer_id, path = doc.token, doc.buffer_id, doc.path
+            if doc.size != size:
+                raise UntrustedPath(f"the agent reserved {doc.size} bytes, not the {size} asked for")
             # Half the agent's deadline, counted from before the request: room for the copy and
             # the planning between the check in ``reserve`` and the commit.
-            usable_until = sent + float(doc.get("expires_in_s", 0)) / 2
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            usable_until = sent + doc.expires_in_s / 2
+        except ValueError as exc:  # not JSON, or not a FastReservation (a ValidationError)
             log.warning("the agent's reservation answer is malformed (%s); saving over HTTP", exc)
             self.fast_path = False
             return None
@@ -437,21 +469,26 @@ class AgentClient:
         finally:
             os.close(fd)
 
-    def commit(self, write: FastWrite, *, size: int | None = None) -> dict[str, Any]:
-        """Make the first ``size`` bytes written (default: all) the shard; the agent hashes them."""
+    def commit(self, write: FastWrite, *, size: int | None = None, save: str | None = None) -> FastCommitted:
+        """Make the first ``size`` bytes written (default: all) the shard, of save ``save`` of its
+        step if given; the agent hashes them (the answer's ``checksum``)."""
         with contextlib.suppress(BufferError):  # staged tensors may still view it: harmless
             write.view.release()
-        params: dict[str, int] = {"size": write.size if size is None else size}
+        params: dict[str, int | str] = {"size": write.size if size is None else size}
         if write.ahead:
             params["step"] = write.step
+        if save is not None:
+            params[SAVE_PARAMETER] = save
         response = self._call("POST", agent_path(FAST_COMMIT_ROUTE, token=write.token), params=params)
         if response.status_code != 200:
             failure = self._fail(response, "commit")
-            if write.ahead and response.status_code in (404, 409):
+            # 404: the agent does not hold the reservation (it restarted at the same endpoint, or
+            # it expired); 409 for one reserved ahead: its namespace was reset since.
+            if failure.code == "NoSuchReservation" or (write.ahead and response.status_code == 409):
                 raise ReservationLost(str(failure), status=failure.status, code=failure.code)
             raise failure
-        result: dict[str, Any] = response.json()
-        self._map_ahead(result.get("spares"))
+        result = _parsed(FastCommitted, response, "commit")
+        self._map_ahead(result.spares)
         self._reserve_next(write)
         return result
 
@@ -476,19 +513,14 @@ class AgentClient:
         if replaced is not None:
             self.abort(replaced.token)
 
-    def _map_ahead(self, spares: object) -> None:
+    def _map_ahead(self, spares: tuple[SpareBuffer, ...]) -> None:
         """Map the rank's spare buffers that the agent named at commit (populated: every page
         table entry made now), so the next reservations, which hand them out under the same
-        buffer ids, find them mapped: a fresh mapping of even a prefaulted file costs about
-        twice the copy into it. Runs where the commit runs (async_save's background thread).
+        buffer ids, find them mapped (docs/decisions/0004-fast-path-mapping.md: a fresh mapping
+        costs about twice the copy). Runs where the commit runs (async_save's background thread).
         A spare that is gone meanwhile, or not one to map, is skipped."""
-        if not isinstance(spares, list):
-            return
         for spare in spares[: MAX_MAPPINGS // 2]:
-            try:
-                buffer_id, path, size = str(spare["buffer_id"]), spare["path"], int(spare["size"])
-            except (TypeError, KeyError, ValueError):
-                continue
+            buffer_id, path, size = spare.buffer_id, spare.path, spare.size
             with self._lock:
                 if buffer_id in self._mappings:
                     continue
@@ -515,11 +547,11 @@ class AgentClient:
         if response.status_code != 200:
             return None
         try:
-            doc = response.json()
-            release = functools.partial(self._release, str(doc["lease"]))
-            buffer_id, path, size = str(doc["buffer_id"]), doc["path"], int(doc["size"])
-            tier, expected = str(doc.get("tier", "memory")), str(doc["checksum"])
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            doc = FastLocation.parse(response.content)
+            release = functools.partial(self._release, doc.lease)
+            buffer_id, path, size = doc.buffer_id, doc.path, doc.size
+            tier, expected = doc.tier, doc.checksum
+        except ValueError as exc:  # not JSON, or not a FastLocation (a ValidationError)
             log.warning("the agent's answer locating a shard is malformed (%s); reading over HTTP", exc)
             return None
         try:
@@ -572,6 +604,14 @@ class LocalCopy:
     tier: str
     checksum: str
     release: Callable[[], None]
+
+
+def _parsed(model: type[Body], response: httpx.Response, what: str) -> Body:
+    """The agent's answer as the body model it must be; AgentError when it is not."""
+    try:
+        return model.parse(response.content)
+    except ValueError as exc:
+        raise AgentError(f"{what}: the agent's answer is off the contract: {problem_of(exc)}") from exc
 
 
 def _address(mapping: mmap.mmap) -> int:

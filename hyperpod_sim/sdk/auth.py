@@ -73,7 +73,9 @@ def resolve_access_key(
 
 class SigV4Auth(httpx.Auth):
     """httpx authentication that signs each request with SigV4 for ``sagemaker`` in ``region``,
-    with botocore's own signer (the host, the date and the body are signed)."""
+    with botocore's own signer (the host, the date, the body, and the content type and
+    ``X-Amz-Target`` when the request has them: the control plane refuses an AWS JSON call whose
+    signature leaves either out)."""
 
     requires_request_body = True
 
@@ -87,8 +89,9 @@ class SigV4Auth(httpx.Auth):
         from botocore.credentials import Credentials
 
         headers = {"host": request.headers["host"]}
-        if "content-type" in request.headers:
-            headers["content-type"] = request.headers["content-type"]
+        for name in ("content-type", "x-amz-target"):
+            if name in request.headers:
+                headers[name] = request.headers[name]
         signed = AWSRequest(
             method=request.method, url=str(request.url), data=request.content, headers=headers
         )

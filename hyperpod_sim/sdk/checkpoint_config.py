@@ -76,5 +76,24 @@ def step_of(checkpoint_id: str | os.PathLike[str] | None) -> int | None:
     return int(match.group(1))
 
 
+class StepCheckpointIds:
+    """What the tiered writer and reader answer DCP alike: a checkpoint id is ``step_N`` (or a path
+    ending in it), and ``reset`` takes the step it names."""
+
+    step: int | None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        step = step_of(checkpoint_id)
+        if step is not None:
+            self.step = step
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            return step_of(checkpoint_id) is not None
+        except ValueError:
+            return False
+
+
 def current_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -258,6 +258,51 @@ class HyperPodClient:
         fault: dict[str, Any] = self._rest("POST", f"/clusters/{quote(name, safe='')}/faults", json=spec)
         return fault
 
+    def start_node_session(self, name: str, node_id: str) -> dict[str, Any]:
+        """The environment of a command to run on node ``node_id`` (``hyperpod-sim node exec``):
+        ``ClusterName``, ``NodeId``, ``Address`` and ``Environment`` (variables to add to the
+        command's). The node's end ends what runs with it (a NodeLoss, its deletion)."""
+        path = f"/clusters/{quote(name, safe='')}/nodes/{quote(node_id, safe='')}/sessions"
+        opened: dict[str, Any] = self._rest("POST", path)
+        return opened
+
+    def _job_path(self, name: str, job: str | None = None) -> str:
+        path = f"/clusters/{quote(name, safe='')}/jobs"
+        return path if job is None else f"{path}/{quote(job, safe='')}"
+
+    def create_job(self, name: str, **spec: Any) -> dict[str, Any]:
+        """Record a job (``Command``, ``JobName``, ``NodeCount``, ``ProcessesPerNode``,
+        ``AutoResume``, ``MaxRestarts``, ``LogPath``); its description. ``hyperpod-sim job run``
+        starts its supervisor, which runs it."""
+        job: dict[str, Any] = self._rest("POST", self._job_path(name), json=spec)["Job"]
+        return job
+
+    def start_job_attempt(self, name: str, job: str, *, pid: int, start_time: int) -> dict[str, Any]:
+        """Place the job's next attempt (its supervisor's call): ``Attempt`` and ``Nodes``."""
+        body = {"SupervisorPid": pid, "SupervisorStartTime": start_time}
+        placed: dict[str, Any] = self._rest("POST", f"{self._job_path(name, job)}/attempts", json=body)
+        return placed
+
+    def end_job_attempt(self, name: str, job: str, attempt: int, **end: Any) -> dict[str, Any]:
+        """Report how an attempt ended (``ExitCode``, ``Cause``, ``NodeId``, ``Rank``): the job and
+        ``Restart``."""
+        answer: dict[str, Any] = self._rest(
+            "POST", f"{self._job_path(name, job)}/attempts/{attempt}/end", json=end
+        )
+        return answer
+
+    def stop_job(self, name: str, job: str) -> dict[str, Any]:
+        stopped: dict[str, Any] = self._rest("POST", f"{self._job_path(name, job)}/stop")["Job"]
+        return stopped
+
+    def describe_job(self, name: str, job: str) -> dict[str, Any]:
+        found: dict[str, Any] = self._rest("GET", self._job_path(name, job))["Job"]
+        return found
+
+    def list_jobs(self, name: str) -> list[dict[str, Any]]:
+        jobs: list[dict[str, Any]] = self._rest("GET", self._job_path(name))["Jobs"]
+        return jobs
+
     def list_faults(self, name: str) -> list[dict[str, Any]]:
         """The faults in force, oldest first."""
         faults: list[dict[str, Any]] = self._rest("GET", f"/clusters/{quote(name, safe='')}/faults")["Faults"]
@@ -271,19 +316,22 @@ class HyperPodClient:
         return fault
 
     def inject_control_plane_fault(self, **spec: Any) -> dict[str, Any]:
-        """Make the control plane's database unreachable: ``Type="DatabaseOutage"``,
-        ``DurationSeconds`` (1..3600). Meanwhile the other calls of this client raise
-        ClusterError with code ServiceUnavailable. The fault's record, without a cluster."""
+        """Make the control plane's database unreachable (``Type="DatabaseOutage"``: every request
+        to it fails at once) or silent (``Type="DatabaseHang"``: connections accepted, nothing
+        answers), for ``DurationSeconds`` (1..3600). Meanwhile the other calls of this client raise
+        ClusterError with code ServiceUnavailable (during a hang, those whose database answer does
+        not come within the control plane's statement timeout plus 2 s; shorter waits end late but
+        answered). The fault's record, without a cluster."""
         fault: dict[str, Any] = self._rest("POST", "/faults", json=spec)
         return fault
 
     def list_control_plane_faults(self) -> list[dict[str, Any]]:
-        """The control plane's faults in force (the DatabaseOutage, if any)."""
+        """The control plane's faults in force (the DatabaseOutage or DatabaseHang, if any)."""
         faults: list[dict[str, Any]] = self._rest("GET", "/faults")["Faults"]
         return faults
 
     def clear_control_plane_fault(self, fault_id: str) -> dict[str, Any]:
-        """End the DatabaseOutage now; its record with ``ClearedAt``."""
+        """End the DatabaseOutage or DatabaseHang now; its record with ``ClearedAt``."""
         fault: dict[str, Any] = self._rest("DELETE", f"/faults/{quote(fault_id, safe='')}")
         return fault
 

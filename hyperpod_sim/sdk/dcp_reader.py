@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -34,18 +33,17 @@ from hyperpod_sim.sdk.agent import AgentError
 from hyperpod_sim.sdk.checkpoint_config import (
     CheckpointNotFound,
     IntegrityError,
+    StepCheckpointIds,
     TieredCheckpointConfig,
-    step_of,
 )
-from hyperpod_sim.sdk.dcp_writer import TieredStorageWriter
 from hyperpod_sim.sdk.library_format import LibraryRef
-from hyperpod_sim.sdk.metadata import ShardRef, UndecodableValue
+from hyperpod_sim.sdk.metadata import SaveRecord, ShardRef, UndecodableValue
 from hyperpod_sim.sdk.s3direct import read_shard
 
 log = logging.getLogger(__name__)
 
 
-class TieredStorageReader(StorageReader):
+class TieredStorageReader(StepCheckpointIds, StorageReader):
     """DCP storage reader (``SageMakerTieredStorageReader``'s counterpart): a given step, or the
     newest complete one. ``served_by`` tells, per rank shard read, which tier served it;
     ``rejected``, per rank, every copy not used and why (``"memory: checksum mismatch"``)."""
@@ -59,15 +57,9 @@ class TieredStorageReader(StorageReader):
         self.served_by: dict[int, str] = {}
         self.rejected: dict[int, list[str]] = {}
         self.failure: str | None = None  # why the last read failed
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        step = step_of(checkpoint_id)
-        if step is not None:
-            self.step = step
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return TieredStorageWriter.validate_checkpoint_id(checkpoint_id)
+        # The save the step's metadata commits (None: the library's metadata, which names none):
+        # only its shards are used, by checksum, from whichever tier serves them.
+        self.save: SaveRecord | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         candidates = (
@@ -78,11 +70,12 @@ class TieredStorageReader(StorageReader):
         for step in candidates:
             for data, tier in self._copies(rank, step, local=True):
                 try:
-                    metadata = decode_metadata(data)
+                    metadata, save = decode_metadata_and_save(data)
                 except ValueError as exc:
                     self._reject(rank, step, tier, str(exc))
                     continue
                 self.step = step
+                self.save = save
                 return metadata
             problems.append(f"step {step}: {self._no_copy(rank, step)}")
         self.failure = (
@@ -129,7 +122,21 @@ class TieredStorageReader(StorageReader):
         """Apply a rank's items from the first copy that is intact: this node's copy, mapped (its
         checksum verified before anything in it is decoded), then the others ``_copies`` yields."""
         library = any(isinstance(self.storage_data[item.storage_index], LibraryRef) for item in items)
+        expected = None
+        if self.save is not None:
+            expected = self.save.checksum_of(rank)
+            if expected is None:
+                raise CheckpointNotFound(
+                    f"rank {rank} of step {step} of {self.config.namespace!r}: the step's metadata "
+                    f"(save {self.save.id}) names no shard of this rank"
+                )
         local = None if library else self._read_local(rank, step)
+        if local is not None and expected is not None and local.checksum != expected:
+            self._reject(rank, step, f"{local.tier} (this node, mapped)", self._other_save(local.checksum))
+            with contextlib.suppress(BufferError):
+                local.view.release()
+            local.release()
+            local = None
         if local is not None:
             where = f"{local.tier} (this node, mapped)"
             try:
@@ -143,7 +150,7 @@ class TieredStorageReader(StorageReader):
                 with contextlib.suppress(BufferError):  # a view of it still alive: harmless
                     local.view.release()
                 local.release()
-        for data, tier in self._copies(rank, step, local=False):
+        for data, tier in self._copies(rank, step, local=False, checksum=expected):
             try:
                 self._apply(items, data, planner)
             except IntegrityError as exc:
@@ -161,6 +168,10 @@ class TieredStorageReader(StorageReader):
         except AgentError as exc:
             self._reject(rank, step, "agent (this node)", str(exc), integrity=False)
             return None
+
+    def _other_save(self, checksum: str) -> str:
+        save = self.save.id if self.save is not None else "?"
+        return f"a copy of another save of the step (checksum {checksum}; the metadata commits save {save})"
 
     def _no_copy(self, rank: int, step: int) -> str:
         reasons = self.rejected.get(rank, [])
@@ -250,11 +261,14 @@ class TieredStorageReader(StorageReader):
         for item, value in values:
             _assign(planner, item, value)
 
-    def _copies(self, rank: int, step: int, *, local: bool) -> Iterator[tuple[bytes, str]]:
+    def _copies(
+        self, rank: int, step: int, *, local: bool, checksum: str | None = None
+    ) -> Iterator[tuple[bytes, str]]:
         """A rank's shard of a step, copy after copy, each in this process's memory and verified
         against its checksum (a copy that is not is recorded in ``rejected`` and skipped): this
         node's shared memory (``local``), the agent (which tries its own copy, the other agents'
-        and replicas, then S3), then S3 directly (with ``s3_tier_base_path``)."""
+        and replicas, then S3), then S3 directly (with ``s3_tier_base_path``). ``checksum``: only
+        copies with that checksum (the committed metadata's), from every tier."""
         if local:
             found = self._read_local(rank, step)
             if found is not None:
@@ -264,12 +278,16 @@ class TieredStorageReader(StorageReader):
                     with contextlib.suppress(BufferError):
                         found.view.release()
                     found.release()
-                if checksum_of(data) == found.checksum:
-                    yield data, found.tier
-                else:
+                if checksum_of(data) != found.checksum:
                     self._reject(rank, step, f"{found.tier} (this node, mapped)", "checksum mismatch")
+                elif checksum is not None and found.checksum != checksum:
+                    self._reject(
+                        rank, step, f"{found.tier} (this node, mapped)", self._other_save(found.checksum)
+                    )
+                else:
+                    yield data, found.tier
         try:
-            remote = self._client.get(self.config.namespace, rank, step)
+            remote = self._client.get(self.config.namespace, rank, step, checksum=checksum)
         except AgentError as exc:  # refused, unreachable, or a copy that arrived corrupted
             self._reject(rank, step, "agent", str(exc), integrity="corrupted" in str(exc))
             remote = None
@@ -283,6 +301,7 @@ class TieredStorageReader(StorageReader):
                     rank,
                     step,
                     world_size=self.config.world_size,
+                    checksum=checksum,
                 )
             except Exception as exc:  # S3 unreachable, a marker that is not one, ...
                 why = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -295,9 +314,21 @@ class TieredStorageReader(StorageReader):
 def decode_metadata(data: bytes) -> Metadata:
     """A step's metadata: hyperpod-sim's JSON, or the library's pickle through its allow-list
     unpickler (``sdk/library_format.py``); ValueError if neither."""
+    return decode_metadata_and_save(data)[0]
+
+
+def decode_metadata_and_save(data: bytes) -> tuple[Metadata, SaveRecord | None]:
+    """A step's metadata and the save it commits: hyperpod-sim's JSON, which must name its save
+    (metadata that names none commits nothing: ValueError), or the library's pickle through its
+    allow-list unpickler (``sdk/library_format.py``), whose protocol names no save (None);
+    ValueError if neither."""
     if library_format.is_library_metadata(data):
-        return library_format.decode_metadata(data)
-    return codec.decode(data)
+        return library_format.decode_metadata(data), None
+    metadata = codec.decode(data)
+    save = codec.decode_save(data)
+    if save is None:
+        raise ValueError("the metadata names no save (its step's shards are bound to none): not loaded")
+    return metadata, save
 
 
 def _apply_library(

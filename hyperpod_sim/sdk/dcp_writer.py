@@ -7,9 +7,10 @@ Future), ``finish``; with ``async_save`` the writer is also the stager (``stage`
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
-import os
+import secrets
 import time
 import warnings
 from collections.abc import Iterator
@@ -31,13 +32,20 @@ from torch.futures import Future
 
 from hyperpod_sim.sdk import metadata as codec
 from hyperpod_sim.sdk.agent import FastWrite, ReservationLost
-from hyperpod_sim.sdk.checkpoint_config import TieredCheckpointConfig, current_rank, step_of
+from hyperpod_sim.sdk.checkpoint_config import (
+    StepCheckpointIds,
+    TieredCheckpointConfig,
+    current_rank,
+)
 from hyperpod_sim.sdk.device_copy import DeviceCopies
-from hyperpod_sim.sdk.metadata import ShardRef
+from hyperpod_sim.sdk.metadata import SaveRecord, ShardRef, ShardStamp
 
 log = logging.getLogger(__name__)
 
 ALIGN = 64
+# The fqn of the write result each rank adds for its shard as a whole (a ``ShardStamp``): how the
+# coordinator learns every rank's checksum. Never an item of the metadata.
+SHARD_STAMP_FQN = "\x00hpsim-shard"
 
 
 def _leaves(obj: Any) -> Iterator[Any]:
@@ -81,7 +89,7 @@ class _Staged:
     end: int  # bytes used by staged tensors
 
 
-class TieredStorageWriter(StorageWriter, AsyncStager):
+class TieredStorageWriter(StepCheckpointIds, StorageWriter, AsyncStager):
     """DCP storage writer for one step (``SageMakerTieredStorageWriter``'s counterpart)."""
 
     # Staging is finished when stage() returns: async_save must not call synchronize_staging.
@@ -99,19 +107,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._namespace_ready = False
         self.stage_seconds = 0.0  # how long stage() blocked (what async_save costs the trainer)
 
-    # -- StorageWriter
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        step = step_of(checkpoint_id)
-        if step is not None:
-            self.step = step
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            return step_of(checkpoint_id) is not None
-        except ValueError:
-            return False
+    # -- StorageWriter (reset and validate_checkpoint_id: StepCheckpointIds)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"step_{self.step}")
@@ -136,7 +132,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        """The coordinator names this save of the step (a random id) in every rank's plan: each
+        rank's shard is stored under it, and the metadata binds them together."""
+        save = secrets.token_hex(16)
+        return [dataclasses.replace(plan, storage_data=save) for plan in plans]
 
     # -- staging (async_save)
 
@@ -225,14 +224,20 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         assert self.step is not None
+        save = plan.storage_data
+        if not isinstance(save, str):
+            raise RuntimeError(
+                "the save plan names no save id (the planner dropped SavePlan.storage_data, which "
+                "TieredStorageWriter.prepare_global_plan sets)"
+            )
         items: list[tuple[WriteItem, Any]] = [(item, self._data(item, planner)) for item in plan.items]
         self._records = {}
         staged = self._staged
         self._staged = None
         if staged is not None:
-            results = self._write_staged(staged, items)
-            if results is not None:
-                return results
+            written = self._write_staged(staged, items, save)
+            if written is not None:
+                return written
         # Not staged (dcp.save) or the staged shard could not take everything: lay it out now.
         layout: list[tuple[WriteItem, Any, int, int]] = []
         end = 0
@@ -255,19 +260,36 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 _copy_into(target, offset, payload, length, device_copies)
             device_copies.wait()
             del target
-            self._client.commit(write, size=end)
-        else:
-            body = bytearray(end)
-            target = torch.frombuffer(body, dtype=torch.uint8) if end else torch.empty(0, dtype=torch.uint8)
-            device_copies = DeviceCopies()  # into pageable memory here
-            for _, payload, offset, length in layout:
-                _copy_into(target, offset, payload, length, device_copies)
-            device_copies.wait()
-            del target
-            self._client.put(self.config.namespace, self.rank, self.step, body)
-        return [_result(item, self.rank, offset, length, payload) for item, payload, offset, length in layout]
+            try:
+                return self._laid_out(
+                    layout, self._client.commit(write, size=end, save=save).checksum, end, save
+                )
+            except ReservationLost as exc:
+                # The agent restarted between the reservation and the commit (at the same
+                # endpoint, so the commit reached the new one): the shard goes over HTTP instead.
+                log.info("the reservation for step %s was lost (%s); writing it over HTTP", self.step, exc)
+        body = bytearray(end)
+        target = torch.frombuffer(body, dtype=torch.uint8) if end else torch.empty(0, dtype=torch.uint8)
+        device_copies = DeviceCopies()  # into pageable memory here
+        for _, payload, offset, length in layout:
+            _copy_into(target, offset, payload, length, device_copies)
+        device_copies.wait()
+        del target
+        checksum = self._client.put(self.config.namespace, self.rank, self.step, body, save=save)
+        return self._laid_out(layout, checksum, end, save)
 
-    def _write_staged(self, staged: _Staged, items: list[tuple[WriteItem, Any]]) -> list[WriteResult] | None:
+    def _laid_out(
+        self, layout: list[tuple[WriteItem, Any, int, int]], checksum: str, end: int, save: str
+    ) -> list[WriteResult]:
+        """The results of a shard written as ``layout`` says, and its stamp."""
+        results = [
+            _result(item, self.rank, offset, length, payload) for item, payload, offset, length in layout
+        ]
+        return [*results, _stamp(ShardStamp(self.rank, end, checksum, save))]
+
+    def _write_staged(
+        self, staged: _Staged, items: list[tuple[WriteItem, Any]], save: str
+    ) -> list[WriteResult] | None:
         """Results for a shard staged in shared memory: tensors are already in place; the
         non-tensor values go after them. None (staging aborted) if something does not fit."""
         write = staged.write
@@ -298,7 +320,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         else:
             del buffer
             try:
-                self._client.commit(write, size=cursor)
+                answer = self._client.commit(write, size=cursor, save=save)
             except ReservationLost as exc:
                 # Reserved ahead and given up by the agent meanwhile (it restarted): the staged
                 # copies are still mapped here, so lay them out again into a new reservation.
@@ -306,7 +328,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                     "the write reserved ahead for step %s was lost (%s); writing it again", self.step, exc
                 )
                 return None
-            return results
+            return [*results, _stamp(ShardStamp(self.rank, cursor, answer.checksum, save))]
         del buffer
         self._client.abort(write.token)
         return None
@@ -330,14 +352,30 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         return codec.encode_value(value, fqn=fqn)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """The coordinator writes the metadata, once every rank's shard is committed."""
+        """The coordinator writes the metadata, once every rank's shard is committed: it names the
+        save and each rank's shard of it (size and checksum), and is stored under that save, so
+        the agents drop every other save of the step."""
         assert self.step is not None
         storage: dict[MetadataIndex, ShardRef] = {}
+        stamps: list[ShardStamp] = []
         for rank_results in results:
             for result in rank_results:
-                storage[result.index] = result.storage_data
+                if isinstance(result.storage_data, ShardStamp):
+                    stamps.append(result.storage_data)
+                else:
+                    storage[result.index] = result.storage_data
+        saves = {stamp.save for stamp in stamps}
+        if len(saves) != 1 or len({s.rank for s in stamps}) != len(stamps):
+            raise RuntimeError(f"the ranks' shards do not name one save of step {self.step}: {sorted(saves)}")
+        save = SaveRecord(saves.pop(), tuple(sorted(stamps, key=lambda s: s.rank)))
         metadata.storage_data = storage
-        self._client.put(self.config.namespace, self.config.metadata_rank, self.step, codec.encode(metadata))
+        self._client.put(
+            self.config.namespace,
+            self.config.metadata_rank,
+            self.step,
+            codec.encode(metadata, save=save),
+            save=save.id,
+        )
 
 
 def _value_records(state_dict: dict[str, Any]) -> dict[str, bytes]:
@@ -400,6 +438,13 @@ def _copy_into(
             warnings.simplefilter("ignore", UserWarning)  # a read-only record: only read from
             source = torch.frombuffer(payload, dtype=torch.uint8)
         buffer[offset : offset + length].copy_(source)
+
+
+def _stamp(stamp: ShardStamp) -> WriteResult:
+    """The write result that carries a rank's shard as a whole to the coordinator's ``finish``."""
+    return WriteResult(
+        index=MetadataIndex(f"{SHARD_STAMP_FQN}.{stamp.rank}"), size_in_bytes=stamp.size, storage_data=stamp
+    )
 
 
 def _result(item: WriteItem, rank: int, offset: int, length: int, payload: Any) -> WriteResult:

@@ -52,6 +52,50 @@ class ShardRef:
     shape: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class ShardStamp:
+    """What a rank's shard of one save is: its size and checksum (base64 xxh3_128), as the agent
+    stored it, and the save it is of."""
+
+    rank: int
+    size: int
+    checksum: str
+    save: str
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """The save a step's metadata commits: its id and every rank's shard of it. A reader uses only
+    shards with these checksums, whichever tier or node serves them."""
+
+    id: str
+    shards: tuple[ShardStamp, ...]
+
+    def checksum_of(self, rank: int) -> str | None:
+        return next((s.checksum for s in self.shards if s.rank == rank), None)
+
+    def doc(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "shards": [{"rank": s.rank, "size": s.size, "checksum": s.checksum} for s in self.shards],
+        }
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> SaveRecord:
+        """ValueError unless ``doc`` is a save record ``doc()`` wrote."""
+        try:
+            save = doc["id"]
+            shards = tuple(
+                ShardStamp(int(s["rank"]), int(s["size"]), str(s["checksum"]), str(save))
+                for s in doc["shards"]
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"the metadata's save record is malformed: {str(exc)[:200]}") from exc
+        if not isinstance(save, str) or len({s.rank for s in shards}) != len(shards):
+            raise ValueError("the metadata's save record is malformed: a bad id or a rank twice")
+        return cls(save, shards)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -156,8 +200,9 @@ def _path(path: Any) -> list[Any]:
     return list(path)
 
 
-def encode(metadata: Metadata) -> bytes:
-    """Metadata as UTF-8 JSON; TypeError for anything this codec does not represent."""
+def encode(metadata: Metadata, *, save: SaveRecord | None = None) -> bytes:
+    """Metadata as UTF-8 JSON, with the save it commits; TypeError for anything this codec does
+    not represent."""
     planner = metadata.planner_data
     if planner is not None and not isinstance(planner, dict):
         raise TypeError(f"planner data of type {type(planner).__name__} is not supported")
@@ -179,8 +224,22 @@ def encode(metadata: Metadata) -> bytes:
             "load_id": meta.load_id,
             "modules": list(meta.modules),
         },
+        "save": None if save is None else save.doc(),
     }
     return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_save(data: bytes | bytearray | memoryview) -> SaveRecord | None:
+    """The save that metadata ``encode`` wrote commits; None if it names none (metadata of an
+    earlier version: not a committed save); ValueError if it is not hyperpod-sim's metadata."""
+    try:
+        doc = json.loads(bytes(data))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"the checkpoint metadata is malformed: {str(exc)[:300]}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError("not hyperpod-sim DCP metadata")
+    save = doc.get("save")
+    return None if save is None else SaveRecord.from_doc(save)
 
 
 def decode(data: bytes | bytearray | memoryview) -> Metadata:

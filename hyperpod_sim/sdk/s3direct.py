@@ -24,13 +24,20 @@ _ABSENT = ("404", "NoSuchKey", "NotFound")
 
 
 def read_shard(
-    base_uri: str, namespace: str, rank: int, step: int, *, world_size: int | None = None
+    base_uri: str,
+    namespace: str,
+    rank: int,
+    step: int,
+    *,
+    world_size: int | None = None,
+    checksum: str | None = None,
 ) -> bytes | None:
     """Rank ``rank``'s shard of ``step``, checked against the step's commit marker; None if there
     is no marker, it lists no such rank, or the object does not match it. Without a marker, with
     ``world_size`` (the job's ranks; the metadata is rank ``world_size``), the shard of a step the
-    trainer wrote complete through the library; None if it is not complete. botocore's
-    exceptions if S3 cannot be read (after its own retries)."""
+    trainer wrote complete through the library; None if it is not complete. ``checksum``: only
+    the shard with that checksum (the one the step's committed metadata names); None if S3 holds
+    another save's. botocore's exceptions if S3 cannot be read (after its own retries)."""
     import boto3
     from botocore.config import Config
 
@@ -50,9 +57,10 @@ def read_shard(
     try:
         raw = _get(client, target.bucket, target.marker_key(namespace, step))
         if raw is None:
-            return _trainer_written(client, target, namespace, rank, step, world_size)
+            written = _trainer_written(client, target, namespace, rank, step, world_size)
+            return None if written is None or checksum not in (None, checksum_of(written)) else written
         shard = CommitMarker.shard_of(raw, rank)
-        if shard is None:
+        if shard is None or (checksum is not None and shard.checksum != checksum):
             return None
         data = _get(client, target.bucket, shard.key)
         if data is None:

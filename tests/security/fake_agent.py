@@ -31,6 +31,7 @@ class FakeAgent:
         self.reserved: dict[str, tuple[str, int, int, str, int]] = {}  # token -> ns, rank, step, path, size
         self.aborted: list[str] = []
         self.committed: list[str] = []
+        self.reads: list[tuple[str, int, int]] = []  # shards read over HTTP
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -67,8 +68,11 @@ class FakeAgent:
                 self.shards[(ns, int(rank), int(step))] = body
                 return 200, {"size": len(body)}
             case "GET", ["v1", "cp", "checkpoints", ns, rank, step]:
+                self.reads.append((ns, int(rank), int(step)))
                 data = self.shards.get((ns, int(rank), int(step)))
-                return (200, data) if data is not None else (404, {"error": "NoSuchShard"})
+                if data is not None and query.get("checksum", [checksum_of(data)])[0] == checksum_of(data):
+                    return 200, data
+                return 404, {"error": "NoSuchShard"}
             case "POST", ["v1", "fast", "reserve", ns, rank, step]:
                 size = int(query["size"][0])
                 if self.reserve_path is None:
@@ -82,7 +86,14 @@ class FakeAgent:
                 self.committed.append(token)
                 written = int(query.get("size", [str(size)])[0])
                 self.shards[(ns, rank, step)] = Path(where).read_bytes()[:written]
-                return 200, {"size": written}
+                checksum = checksum_of(self.shards[(ns, rank, step)])
+                return 200, {
+                    "namespace": ns,
+                    "rank": rank,
+                    "step": step,
+                    "size": written,
+                    "checksum": checksum,
+                }
             case "POST", ["v1", "fast", "abort", token]:
                 self.aborted.append(token)
                 return 200, {"aborted": True}

@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from hyperpod_sim.sdk.agent import AgentClient, AgentError
-from tests.conftest import ControlPlane, wait_for
-from tests.test_memory_tier import cluster, create_namespace, get, latest, meta, put, url
+from tests.conftest import ControlPlane
+from tests.security.access import set_access
+from tests.tier import cluster, create_namespace, get, latest, meta, put, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
@@ -30,24 +31,6 @@ pytestmark = [
 @pytest.fixture
 def sm(agent_plane: ControlPlane) -> Any:
     return agent_plane.client()
-
-
-def set_access(plane: ControlPlane, sm: Any, name: str, agents: list[str], mode: str) -> None:
-    """Put the cluster's AgentAccess and wait until every agent applied it."""
-    response = httpx.put(f"{plane.url}/clusters/{name}/checkpoint-policy", json={"AgentAccess": mode})
-    assert response.status_code == 200, response.text
-    assert response.json()["AgentAccess"] == mode
-    for agent in agents:
-        wait_for(
-            lambda agent=agent: httpx.get(f"{agent}/v1/policy").json()["checkpoint_access"]["mode"] == mode,
-            timeout=60,
-            what=f"AgentAccess {mode} on {agent}",
-        )
-    wait_for(
-        lambda: sm.describe_cluster(ClusterName=name)["ClusterStatus"] == "InService",
-        timeout=60,
-        what="the rollout",
-    )
 
 
 # What an attacker on the network tries: every destructive or writing call of the protocol.

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import ControlPlane
-from tests.test_memory_tier import cluster, create_namespace, get, metric, put, url
+from tests.tier import cluster, create_namespace, get, metric, put, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),

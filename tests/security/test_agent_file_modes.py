@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import ControlPlane, shm_root_for, wait_for
-from tests.test_memory_tier import cluster, create_namespace, get, put, replicated, url
+from tests.tier import cluster, create_namespace, get, put, replicated, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),

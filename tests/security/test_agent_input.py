@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import ControlPlane
-from tests.test_memory_tier import cluster, create_namespace, get, latest, meta, put, url
+from tests.tier import cluster, create_namespace, get, latest, meta, put, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),

@@ -16,8 +16,8 @@ import pytest
 
 from tests.conftest import ControlPlane
 from tests.helpers import run_ranks
-from tests.security.test_agent_access import set_access
-from tests.test_memory_tier_library import agents, run_job
+from tests.jobs import agents, run_job
+from tests.security.access import set_access
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),

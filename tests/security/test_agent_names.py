@@ -15,8 +15,8 @@ from sqlalchemy import select
 
 from hyperpod_sim.models import CheckpointNamespace, Cluster
 from tests.conftest import ControlPlane, wait_for
-from tests.test_memory_tier import cluster, create_namespace, put, url
-from tests.test_s3_tier import CREDENTIALS, bucket, markers, moto_url, s3, set_policy  # noqa: F401
+from tests.s3_checkpoints import CREDENTIALS, markers, set_policy
+from tests.tier import cluster, create_namespace, put, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
@@ -28,7 +28,7 @@ OLD = quote("old\x00name", safe="")  # a namespace an older control plane saved,
 
 
 @pytest.fixture
-def agent_settings(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:  # noqa: F811
+def agent_settings(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     for key, value in CREDENTIALS.items():
         monkeypatch.setenv(key, value)  # what the agents (children of this process) sign with
     return {"s3": {"endpoint_url": moto_url, "embedded": False}}
@@ -42,8 +42,8 @@ def sm(agent_plane: ControlPlane) -> Any:
 def test_a_control_character_in_a_namespace_name_is_refused_at_creation(
     agent_plane: ControlPlane,
     sm: Any,
-    s3: Any,  # noqa: F811
-    bucket: str,  # noqa: F811
+    s3: Any,
+    bucket: str,
 ) -> None:
     (node,) = cluster(sm, agent_plane, "names", 1)
     a = url(node)
@@ -80,7 +80,7 @@ def test_a_control_character_in_a_namespace_name_is_refused_at_creation(
 def test_a_namespace_named_before_the_check_gives_its_persists_up(
     agent_plane: ControlPlane,
     sm: Any,
-    bucket: str,  # noqa: F811
+    bucket: str,
 ) -> None:
     """A namespace with a NUL that an older control plane saved: its saves still work in memory,
     its persists fail as permanent (no S3 key can carry the name), and no step stays pending."""

@@ -31,7 +31,7 @@ import pytest
 from hyperpod_sim.contracts.shards import checksum_of
 from hyperpod_sim.infra.processes import find_agent_pids
 from tests.conftest import ControlPlane, free_port, launch_secret, shm_root_for, wait_for
-from tests.test_memory_tier import cluster, create_namespace, get, latest, put, url
+from tests.tier import cluster, create_namespace, get, latest, put, url
 
 pytestmark = pytest.mark.patient_heartbeats
 on_sqlite = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

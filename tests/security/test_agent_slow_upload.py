@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.conftest import ControlPlane, wait_for
-from tests.test_memory_tier import cluster, create_namespace, get, meta, metric, put, url
+from tests.tier import cluster, create_namespace, get, meta, metric, put, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),

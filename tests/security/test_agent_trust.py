@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from tests.conftest import ControlPlane, shm_root_for
-from tests.security.test_agent_access import set_access
-from tests.test_memory_tier import cluster, create_namespace, get, latest, metric, put, url
+from tests.security.access import set_access
+from tests.tier import cluster, create_namespace, get, latest, metric, put, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),

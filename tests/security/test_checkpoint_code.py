@@ -27,12 +27,9 @@ from hyperpod_sim.contracts.shards import checksum_of
 from hyperpod_sim.sdk.checkpoint import TieredCheckpointConfig, TieredStorageWriter, load_latest
 from hyperpod_sim.sdk.metadata import VALUE_MAGIC
 from tests.conftest import ControlPlane, wait_for
+from tests.s3_checkpoints import markers, set_policy
 from tests.sdk_worker import same, training_state
-from tests.test_memory_tier import cluster, get, latest, put, replicated, url
-from tests.test_s3_tier import agent_settings, bucket, markers, moto_url, proxy, s3, set_policy
-
-# S3: moto behind the test proxy (the fixtures of test_s3_tier).
-__all__ = ["agent_settings", "bucket", "moto_url", "proxy", "s3"]
+from tests.tier import cluster, get, latest, put, replicated, url
 
 pytestmark = [
     pytest.mark.patient_heartbeats,
@@ -47,6 +44,12 @@ TARGET = "rank0.extra.step"  # the non-tensor value the attacker replaces (the j
 @pytest.fixture
 def sm(agent_plane: ControlPlane) -> Any:
     return agent_plane.client()
+
+
+@pytest.fixture
+def agent_settings(s3_agent_settings: dict[str, Any]) -> dict[str, Any]:
+    """S3: moto behind the test proxy (tests/plugins/s3.py)."""
+    return s3_agent_settings
 
 
 class Payload:
@@ -83,6 +86,15 @@ def retarget(metadata: bytes, payload_at: int, payload: bytes) -> bytes:
     return json.dumps(doc).encode()
 
 
+def rebind(metadata: bytes, rank: int, shard: bytes) -> bytes:
+    """The metadata document naming ``shard`` as ``rank``'s shard of its save (its size and
+    checksum recomputed): what anyone who can write to the agents or S3 can forge."""
+    doc = json.loads(metadata)
+    entry = next(s for s in doc["save"]["shards"] if s["rank"] == rank)
+    entry.update(size=len(shard), checksum=checksum_of(shard))
+    return json.dumps(doc).encode()
+
+
 def with_payload(shard: bytes, payload: bytes) -> tuple[bytes, int]:
     """The shard with the payload appended (64-byte aligned, as the SDK lays values out)."""
     at = -(-len(shard) // 64) * 64
@@ -95,7 +107,7 @@ def plant_through_agent(agent: str, source: int, step: int, payload: bytes, worl
     shards = {rank: get(agent, NS, rank, source).content for rank in range(world + 1)}
     rank = ref_of(shards[world], TARGET)["rank"]
     shards[rank], at = with_payload(shards[rank], payload)
-    shards[world] = retarget(shards[world], at, payload)
+    shards[world] = rebind(retarget(shards[world], at, payload), rank, shards[rank])
     for r, data in shards.items():
         assert put(agent, NS, r, step, data).status_code == 200
 
@@ -172,7 +184,7 @@ def test_a_pickle_planted_on_s3_never_runs(
     commit = json.loads(s3.get_object(Bucket=bucket, Key=f"p/{NS}/_committed/step_1.json")["Body"].read())
     objects = {d["rank"]: s3.get_object(Bucket=bucket, Key=d["key"])["Body"].read() for d in commit["shards"]}
     objects[0], at = with_payload(objects[0], payload)
-    objects[1] = retarget(objects[1], at, payload)
+    objects[1] = rebind(retarget(objects[1], at, payload), 0, objects[0])
     shards = []
     for doc in commit["shards"]:
         key, body = doc["key"].replace("/step_1/", "/step_2/"), objects[doc["rank"]]
@@ -222,11 +234,14 @@ def test_a_copy_rewritten_through_the_protocol_falls_back_to_a_good_copy(
     loaded = resume(config, note=len(payload) + 64)
 
     assert not marker.exists()
-    # Both copies in the agent's memory were refused by the decoder; S3's copy, verified against
-    # the commit marker written before the attack, loaded (byte for byte: resume checks it).
-    assert (loaded.step, loaded.served_by, loaded.skipped) == (1, {0: "s3-direct"}, {})
-    assert [why.split(":")[0] for why in loaded.rejected[0]] == ["memory (this node, mapped)", "memory"]
-    assert all("note: not a JSON value and refused by torch.load" in why for why in loaded.rejected[0])
+    # The copy in the agent's memory is not the one the step's metadata names (its checksum is
+    # another's): refused before a byte of it is decoded. The agent served S3's copy, verified
+    # against the commit marker written before the attack (byte for byte: resume checks it).
+    assert (loaded.step, loaded.served_by, loaded.skipped) == (1, {0: "s3"}, {})
+    (why,) = loaded.rejected[0]
+    assert why.startswith("memory (this node, mapped): a copy of another save of the step"), why
+    # (A copy that the forged metadata names does reach the decoder, which refuses it: the tests
+    # above.)
 
 
 # -------------------------------------------------------------- checksum before decoding

@@ -28,7 +28,8 @@ from botocore.config import Config
 from botocore.credentials import Credentials
 from botocore.exceptions import ClientError
 
-from hyperpod_sim.sdk.auth import bearer_token
+from hyperpod_sim.sdk.auth import AccessKey, bearer_token
+from hyperpod_sim.sdk.auth import SigV4Auth as SdkSigV4Auth
 from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from tests.conftest import ControlPlane, group
 from tests.helpers import aws_cli
@@ -408,6 +409,20 @@ def test_rest_with_a_bearer_token_or_sigv4_is_served(control_plane: ControlPlane
         assert sdk.list_faults("c") == []
 
 
+def test_the_sdks_signer_signs_an_aws_json_calls_target(control_plane: ControlPlane) -> None:
+    """The SDK's httpx signer is what scripts use beside boto3: an AWS JSON call it signs names
+    the target and the content type among its signed headers, as the control plane requires."""
+    client(control_plane, USER, USER_SECRET).create_cluster(ClusterName="c", InstanceGroups=[group()])
+    response = httpx.post(
+        control_plane.url + "/",
+        content=json.dumps({"ClusterName": "c"}).encode(),
+        headers={"Content-Type": "application/x-amz-json-1.1", "X-Amz-Target": "SageMaker.DescribeCluster"},
+        auth=SdkSigV4Auth(AccessKey(USER, USER_SECRET), "us-east-1"),
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["ClusterName"] == "c"
+
+
 def test_rest_with_a_forged_bearer_token_is_refused(control_plane: ControlPlane) -> None:
     for token in [
         bearer_token(USER, "guessed-secret"),
@@ -479,7 +494,7 @@ def test_fault_injection_needs_an_admin_credential(control_plane: ControlPlane) 
 
 
 def test_health_docs_and_agent_routes_are_not_behind_the_credentials(control_plane: ControlPlane) -> None:
-    assert httpx.get(control_plane.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(control_plane.url + "/health").json() == {"status": "ok", "database": "answers"}
     assert httpx.get(control_plane.url + "/openapi.json").status_code == 200
     assert httpx.get(control_plane.url + "/docs").status_code == 200
     # Agents authenticate with cluster tokens, checked by the agent protocol itself.

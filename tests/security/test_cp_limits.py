@@ -39,7 +39,7 @@ def aws_json(url: str, operation: str, body: bytes) -> httpx.Response:
 
 
 def still_serves(control_plane: ControlPlane, sm: Any) -> None:
-    assert httpx.get(control_plane.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(control_plane.url + "/health").json() == {"status": "ok", "database": "answers"}
     sm.create_cluster(ClusterName="after", InstanceGroups=[group()])
     assert [c["ClusterName"] for c in sm.list_clusters()["ClusterSummaries"]] == ["after"]
 

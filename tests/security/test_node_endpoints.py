@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hyperpod_sim.domain.agents import check_endpoint
 from hyperpod_sim.domain.errors import AgentProtocolError
+from hyperpod_sim.domain.nodes.agents import check_endpoint
 from hyperpod_sim.models import Node
+from tests.agents import create_tiered, nodes, start_agent, wait_status
 from tests.conftest import ControlPlane, free_port, wait_for
-from tests.test_agents_integration import create_tiered, nodes, start_agent, wait_status
 
 EXTERNAL = {"provisioning": {"mode": "external", "heartbeat_timeout_s": 60.0}}
 BAD = [

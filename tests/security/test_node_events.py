@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.agents import create_tiered, nodes, start_agent
 from tests.conftest import ControlPlane, free_port, wait_for
 from tests.helpers import bearer
-from tests.test_agents_integration import create_tiered, nodes, start_agent
 
 # The joined node never heartbeats: a 3 s heartbeat timeout would fail it (and revoke its token)
 # while the real agent starts on a loaded machine; nothing here is about failure detection.

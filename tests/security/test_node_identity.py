@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from hyperpod_sim.infra.processes import find_agent_pids
+from tests.agents import create_tiered, event_texts, nodes
 from tests.conftest import ControlPlane, free_port, group, node_token, wait_for
 from tests.helpers import bearer
-from tests.test_agents_integration import create_tiered, event_texts, nodes
-from tests.test_memory_tier import create_namespace, get, put, replicated, url
+from tests.tier import create_namespace, get, put, replicated, url
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from hyperpod_sim.models import Node
+from tests.agents import agent_policy, event_texts, expected_budget, nodes, wait_status
 from tests.conftest import ControlPlane, wait_for
-from tests.test_agents_integration import agent_policy, event_texts, expected_budget, nodes, wait_status
-from tests.test_memory_tier import cluster, create_namespace, get, put, replicated, url
+from tests.tier import cluster, create_namespace, get, put, replicated, url
 
 pytestmark = [
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),

@@ -15,7 +15,6 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from torch.distributed.checkpoint import save
@@ -82,15 +81,6 @@ def write(path: Path, data: bytes) -> Path:
     return path
 
 
-def decoy_state() -> dict[str, Any]:
-    """The job's state at step 1 with every tensor negated: its shard has the same layout."""
-    state = training_state(1, 0)
-    for tensor in state["rank0"]["model"].values():
-        tensor.neg_()
-    state["rank0"]["extra"]["half"].neg_()
-    return state
-
-
 def config(fake: FakeAgent, root: Path, namespace: str = "job", **extra: bool) -> TieredCheckpointConfig:
     return TieredCheckpointConfig(
         namespace=namespace, world_size=1, agent_url=fake.url, shm_root=str(root), **extra
@@ -143,22 +133,23 @@ def test_a_reservation_naming_a_foreign_file_is_never_written(
 def test_a_shard_located_in_a_foreign_file_is_never_read(
     fake: FakeAgent, root: Path, tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Over HTTP (no fast path): the job's step 1, and a decoy of the same layout, other values.
+    # Over HTTP (no fast path): the job's step 1. The file planted holds rank 0's shard (a copy
+    # of another save would be refused by its checksum whatever its path: the metadata names it).
     http = config(fake, root, fast_path=False)
     save(training_state(1, 0), storage_writer=TieredStorageWriter(http, step=1))
-    decoy_job = config(fake, root, "decoy", fast_path=False)
-    save(decoy_state(), storage_writer=TieredStorageWriter(decoy_job, step=1))
-    decoy = fake.shards[("decoy", 0, 1)]
-    answer, _ = plant(case, root, tmp_path, decoy)
-    fake.locate = lambda ns, rank, step: (Path(answer), decoy) if (ns, rank) == ("job", 0) else None
+    shard = fake.shards[("job", 0, 1)]
+    answer, _ = plant(case, root, tmp_path, shard)
+    fake.locate = lambda ns, rank, step: (Path(answer), shard) if (ns, rank) == ("job", 0) else None
+    fake.reads.clear()
 
     state = training_state(987, 0)
     with caplog.at_level(logging.INFO, logger="hyperpod_sim.sdk.agent"):
         loaded = load_latest(state, config(fake, root))
 
     assert (loaded.step, loaded.served_by) == (1, {0: "memory"})
-    if case == "the-agents-copy":  # the control: mapped, and what it holds is what loaded
-        assert same(state, decoy_state())
+    assert same(state, training_state(1, 0))
+    if case == "the-agents-copy":  # the control: mapped, never read over HTTP
+        assert ("job", 0, 1) not in fake.reads
         return
-    assert same(state, training_state(1, 0))  # what the agent served over HTTP
+    assert ("job", 0, 1) in fake.reads  # what the agent served over HTTP
     assert "the agent names a file not to read from" in caplog.text

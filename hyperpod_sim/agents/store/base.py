@@ -59,7 +59,7 @@ class Entry:
     @property
     def record(self) -> Record:
         info = self.info
-        return Record(info.size, info.checksum, info.replica_of, info.committed_at, self.inode)
+        return Record(info.size, info.checksum, info.replica_of, info.committed_at, self.inode, info.save)
 
 
 class StoreState:

@@ -101,15 +101,19 @@ class Record:
     replica_of: str | None
     committed_at: float
     inode: int
+    save: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "size": self.size,
             "checksum": self.checksum,
             "replica_of": self.replica_of,
             "committed_at": self.committed_at,
             "inode": self.inode,
         }
+        if self.save is not None:
+            doc["save"] = self.save
+        return doc
 
     @classmethod
     def from_json(cls, doc: Any) -> Record:
@@ -124,7 +128,10 @@ class Record:
             raise ValueError("replica_of is neither null nor a string")
         if not isinstance(committed_at, int | float) or isinstance(committed_at, bool):
             raise ValueError("committed_at is not a number")
-        return cls(size, normalized_checksum(checksum), replica_of, float(committed_at), inode)
+        save = doc.get("save")
+        if not (save is None or isinstance(save, str)):
+            raise ValueError("save is neither absent nor a string")
+        return cls(size, normalized_checksum(checksum), replica_of, float(committed_at), inode, save)
 
 
 class Seal:

@@ -41,6 +41,9 @@ class ShardInfo:
     replica_of: str | None
     path: Path  # the data file
     committed_at: float  # the store's clock at commit
+    # The save of its step this shard belongs to (the SDK's save id, carried in Shard-Meta as
+    # "save"); None for a shard sent without one (the library's).
+    save: str | None = None
 
 
 @dataclass

@@ -108,7 +108,9 @@ class StoreRecovery(StoreState):
         for path in (data_path, meta_path):
             with contextlib.suppress(OSError):
                 os.chmod(path, FILE_MODE)  # an older agent's 0644
-        info = ShardInfo(key, record.size, record.checksum, record.replica_of, data_path, record.committed_at)
+        info = ShardInfo(
+            key, record.size, record.checksum, record.replica_of, data_path, record.committed_at, record.save
+        )
         # A buffer id of its own: it names this file to the trainers that map it (by buffer id),
         # also once the file is retired and reused for a later save of its rank.
         self._index[key] = Entry(info, record.inode, uuid.uuid4().hex)

@@ -25,7 +25,9 @@ class ReservationOwner(Protocol):
     """What a reservation needs of its store (:class:`agents.store.ShardStore`), which does the
     bookkeeping under its lock."""
 
-    def _publish(self, reservation: Reservation, *, checksum: str, replica_of: str | None) -> ShardInfo: ...
+    def _publish(
+        self, reservation: Reservation, *, checksum: str, replica_of: str | None, save: str | None = None
+    ) -> ShardInfo: ...
 
     def _release(self, reservation: Reservation, *, spare_files: int | None = None) -> None: ...
 
@@ -113,10 +115,12 @@ class Reservation:
             return memoryview(bytearray())
         return memoryview(self._mapping)
 
-    def commit_written(self, *, size: int, replica_of: str | None = None) -> ShardInfo:
+    def commit_written(
+        self, *, size: int, replica_of: str | None = None, save: str | None = None
+    ) -> ShardInfo:
         """Commit the first ``size`` bytes (at most the reserved size), with the checksum computed
         here: for bytes another process on this host wrote into ``path``. The rest of the
-        reservation is given back."""
+        reservation is given back. ``save``: the save of its step the shard belongs to."""
         self._require_open()
         try:
             if not 0 <= size <= self._size:
@@ -132,7 +136,7 @@ class Reservation:
                 os.close(fd)
             if checksum is None:
                 raise UnusableShardFile(self._key, detail="it was cut short while it was being read")
-            return self._store._publish(self, checksum=checksum, replica_of=replica_of)
+            return self._store._publish(self, checksum=checksum, replica_of=replica_of, save=save)
         except BaseException:
             self.abort()
             raise
@@ -168,7 +172,9 @@ class Reservation:
             os.close(fd)
             raise
 
-    def commit(self, *, checksum: str, replica_of: str | None = None, verify: bool = True) -> ShardInfo:
+    def commit(
+        self, *, checksum: str, replica_of: str | None = None, verify: bool = True, save: str | None = None
+    ) -> ShardInfo:
         """Make the written bytes the shard of ``key``, replacing any shard of that key, atomically.
 
         ``verify``: hash the written bytes first (outside the store's lock). Either the shard is
@@ -182,7 +188,7 @@ class Reservation:
             if verify:
                 self._verify(expected)
             self._release_mapping()
-            return self._store._publish(self, checksum=expected, replica_of=replica_of)
+            return self._store._publish(self, checksum=expected, replica_of=replica_of, save=save)
         except BaseException:
             self.abort()
             raise

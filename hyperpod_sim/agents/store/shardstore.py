@@ -283,7 +283,9 @@ class ShardStore(SpareRotation, StoreRecovery):
         self._reserved_bytes += size
         return reservation, fd
 
-    def _publish(self, reservation: Reservation, *, checksum: str, replica_of: str | None) -> ShardInfo:
+    def _publish(
+        self, reservation: Reservation, *, checksum: str, replica_of: str | None, save: str | None = None
+    ) -> ShardInfo:
         """Commit steps 2 and 3 (module docstring), then the index."""
         key = reservation.key
         with self._lock:
@@ -292,7 +294,7 @@ class ShardStore(SpareRotation, StoreRecovery):
                 raise ReservationCancelled(key)
             old = self._index.get(key)
             data_path = self._data_path(key)
-            record = Record(reservation.size, checksum, replica_of, self._clock(), reservation._inode)
+            record = Record(reservation.size, checksum, replica_of, self._clock(), reservation._inode, save)
             write_sidecar(
                 data_path.with_suffix(META_SUFFIX),
                 current=record,
@@ -304,7 +306,7 @@ class ShardStore(SpareRotation, StoreRecovery):
             if old is not None:
                 self._committed_bytes -= old.info.size
             entry = Entry(
-                ShardInfo(key, record.size, checksum, replica_of, data_path, record.committed_at),
+                ShardInfo(key, record.size, checksum, replica_of, data_path, record.committed_at, save),
                 record.inode,
                 reservation.buffer_id,
             )
@@ -478,6 +480,20 @@ class ShardStore(SpareRotation, StoreRecovery):
         """Remove one shard; False if it was not stored."""
         with self._lock:
             return self._remove_locked(key)
+
+    def drop_other_saves(self, namespace: str, step: int, save: str) -> list[ShardKey]:
+        """Remove every shard of ``step`` of ``namespace`` held here (primary or replica) that is
+        not of save ``save`` (another save's, or one sent without a save): the step's metadata of
+        that save is committed, so it replaces the earlier saves whole. The shards removed."""
+        with self._lock:
+            doomed = [
+                key
+                for key, entry in self._index.items()
+                if key.namespace == namespace and key.step == step and entry.info.save != save
+            ]
+            for key in doomed:
+                self._remove_locked(key)
+            return sorted(doomed)
 
     def delete_namespace(self, namespace: str) -> int:
         """Remove every shard of a namespace; writes in flight to it will fail to commit. Shards removed."""

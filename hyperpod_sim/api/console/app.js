@@ -3,7 +3,7 @@
 
 import { ApiError, bearerToken, call, poll, setToken, token } from "/console/api.js";
 import {
-  checkpointMap, clustersTable, eventsList, faultsList, h, nodesTable, status,
+  checkpointMap, clustersTable, eventsList, faultsList, h, jobsTable, nodesTable, status,
 } from "/console/views.js";
 
 const POLL_MS = 500;
@@ -148,8 +148,9 @@ $("create-json").addEventListener("submit", (event) => {
 $("db-outage").addEventListener("submit", (event) => {
   event.preventDefault();
   const seconds = Number(event.target.elements.duration.value);
-  act("create-result", "DatabaseOutage", () => call("POST", "/faults",
-    { body: { Type: "DatabaseOutage", DurationSeconds: seconds } }));
+  // Which of the form's buttons: DatabaseOutage (refused at once) or DatabaseHang (no answer).
+  const type = event.submitter?.dataset.fault || "DatabaseOutage";
+  act("create-result", type, () => call("POST", "/faults", { body: { Type: type, DurationSeconds: seconds } }));
 });
 
 function renderControlPlaneFaults(data) {
@@ -265,6 +266,7 @@ function renderCluster(view) {
   replace("faults", faultsList(view.Faults, {
     onClear: (f) => act("action-result", `Clear ${f.FaultId}`, () => call("DELETE", clusterPath(`/faults/${f.FaultId}`))),
   }));
+  replace("jobs", jobsTable(view.Jobs));
   replace("map", checkpointMap(view.Checkpoints, view.Unreachable));
   replace("events", eventsList(view.Events, state.filter));
   if (state.formsFor !== view.ClusterName) fillForms(view);

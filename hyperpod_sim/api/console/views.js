@@ -142,16 +142,18 @@ function cell(step, rank) {
 }
 
 // Who put the step on S3: the agents (their commit marker) or the trainer itself (the library's
-// own S3 writes: the listing's S3WrittenBy "Trainer"); "–" when it is not on S3.
+// own S3 writes: the listing's S3WrittenBy "Trainer"); "–" when it is not on S3, and "unknown"
+// when S3 could not be listed (the listing's S3 null, with the namespace's S3Error saying why).
 export function s3Writer(step) {
+  if (step.S3 === null) return "unknown";
   if (!step.S3) return null;
   return step.S3WrittenBy === "Trainer" ? "trainer" : "agents";
 }
 
 function s3Cell(step) {
   const writer = s3Writer(step);
-  return h("td", { class: "s3-writer", "data-s3-written-by": writer ?? "none" },
-    writer ? `▲ written by ${writer}` : "–");
+  const text = writer === "unknown" ? "? S3 unreachable" : writer ? `▲ written by ${writer}` : "–";
+  return h("td", { class: "s3-writer", "data-s3-written-by": writer ?? "none" }, text);
 }
 
 export function checkpointMap(namespaces, unreachable) {
@@ -165,6 +167,7 @@ export function checkpointMap(namespaces, unreachable) {
       return h("section", { class: "namespace", "data-namespace": ns.Namespace },
         h("h4", {}, `Namespace ${ns.Namespace}`, h("span", { class: "muted" },
           ` · ${ns.NumRanks} ranks · ${ns.StepsRetained} steps kept in memory`)),
+        ns.S3Error ? h("p", { class: "warn s3-error" }, `⚠ S3 could not be listed: ${ns.S3Error}`) : null,
         ns.Restore ? h("p", { class: "restore" }, `A restore now reads step ${ns.Restore.Step}: `,
           ranks.map((r) => {
             const source = ns.Restore.Ranks[r];
@@ -183,7 +186,27 @@ export function checkpointMap(namespaces, unreachable) {
           s3Cell(step),
           ranks.map((r) => cell(step, r))))))));
     }),
-    h("p", { class: "legend" }, "■ P primary copy in memory (node) · ◆ R only a replica (node) · ▲ S3 only on S3 · ✖ missing · +S3 also committed on S3 · On S3: written by the agents (their commit marker) or by the trainer (the library's own S3 writes)"));
+    h("p", { class: "legend" }, "■ P primary copy in memory (node) · ◆ R only a replica (node) · ▲ S3 only on S3 · ✖ missing · +S3 also committed on S3 · On S3: ? when S3 could not be listed; written by the agents (their commit marker) or by the trainer (the library's own S3 writes)"));
+}
+
+export function jobsTable(jobs) {
+  if (!jobs.length) return h("p", { class: "empty" }, "No jobs: hyperpod-sim job run --cluster … -- CMD runs one on these nodes.");
+  const attempt = (a) => h("li", { "data-attempt": a.Attempt, "data-status": a.Status },
+    `attempt ${a.Attempt}: ${a.Status}`, " on ", a.Nodes.map((n) => h("code", {}, shortId(n), " ")),
+    a.Cause && a.Cause !== "Succeeded"
+      ? `· ${a.Cause}${a.CauseNodeId ? ` (node ${shortId(a.CauseNodeId)})` : a.CauseRank != null ? ` (rank ${a.CauseRank})` : ""}`
+      : null,
+    a.ExitCode != null ? ` · exit ${a.ExitCode}` : null);
+  return h("div", { class: "scroll" }, h("table", { class: "jobs" },
+    h("caption", { class: "sr-only" }, "Jobs on this cluster"),
+    h("thead", {}, h("tr", {}, ["Job", "Status", "Shape", "Restarts", "Exit", "Attempts"].map((c) => h("th", { scope: "col" }, c)))),
+    h("tbody", {}, jobs.map((j) => h("tr", { "data-job": j.JobName, "data-status": j.Status },
+      h("th", { scope: "row" }, j.JobName, h("span", { class: "muted" }, ` ${j.JobId}`)),
+      h("td", {}, status(j.Status)),
+      h("td", {}, `${j.NodeCount ?? "every"} node(s) × ${j.ProcessesPerNode}`),
+      h("td", {}, j.AutoResume ? `${j.Restarts} of ${j.MaxRestarts}` : "no auto-resume"),
+      h("td", {}, j.ExitCode ?? "–"),
+      h("td", {}, h("ol", { class: "attempts" }, j.Attempts.map(attempt))))))));
 }
 
 export function eventsList(events, filter) {

@@ -1,0 +1,3 @@
+"""The agent's own small HTTP/1.1 server (docs/decisions/: why not a framework): server, connections,
+messages.
+"""

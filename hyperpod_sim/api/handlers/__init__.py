@@ -1,0 +1,3 @@
+"""Handlers of operations on resources beside the cluster itself, and the output members derived from what
+a cluster stores.
+"""

@@ -1,0 +1,1 @@
+"""The command line: `hyperpod-sim` and its commands (clients of the API, and the shell that starts serve)."""

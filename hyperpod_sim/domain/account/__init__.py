@@ -1,0 +1,1 @@
+"""Resources kept beside clusters in the account: cluster extensions and scheduler configs."""

@@ -1,0 +1,3 @@
+"""Checkpoints: the per-cluster policy, the policy document each node's agent gets, its pushes, and where
+the checkpoints are.
+"""

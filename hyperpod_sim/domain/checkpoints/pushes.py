@@ -1,0 +1,200 @@
+"""Policy pushes: claimed in the reconciler's transaction (``claim_pushes``), sent after it, in
+parallel and outside any transaction (``PolicyPusher.send``), and their answers recorded in one
+more (``PolicyPusher.record``): push retries, their backoff and last errors live in the nodes' rows,
+so a restarted control plane resumes them."""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from hyperpod_sim.contracts.agent_api import POLICY_PATH
+from hyperpod_sim.domain import events
+from hyperpod_sim.domain.checkpoints.agent_client import AgentConnection, AgentUnreachable, Answer
+from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
+from hyperpod_sim.domain.checkpoints.node_policy import build_policy
+from hyperpod_sim.domain.clock import Clock, Ids
+from hyperpod_sim.domain.events import Level
+from hyperpod_sim.domain.lifecycle import LIVE, NodeStatus
+from hyperpod_sim.domain.outcome import Outcome, Push
+from hyperpod_sim.models import Cluster, Database, Node
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushResult:
+    node_id: str
+    generation: int
+    applied: int | None  # the generation the agent reports, or None on failure
+    error: str | None = None
+    permanent: bool = False
+    # The generation an agent that answered "stale" (409) says it has: never an acknowledgement.
+    # Ahead of every generation this control plane issued, it is a policy it did not get from
+    # here, and the node is pushed again with a reset.
+    ahead: int | None = None
+    reset: bool = False  # the answer to a push with a reset
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    timeout_s: float
+    backoff_s: float
+    backoff_max_s: float
+    memory_scale: float
+    s3_endpoint: S3Endpoint
+
+
+def claim_pushes(cluster: Cluster, now: datetime, config: PushConfig) -> Outcome:
+    """Claim a push of the cluster's generation for every node with an agent that has not applied
+    it (and that no one else is pushing, and whose retry is due)."""
+    outcome = Outcome()
+    members = [n for n in cluster.nodes if n.status in LIVE]
+    lease = timedelta(seconds=config.timeout_s * 2)
+    for node in cluster.nodes:
+        if (
+            node.status
+            not in (
+                NodeStatus.PENDING,
+                NodeStatus.RUNNING,
+                NodeStatus.SYSTEM_UPDATING,
+                NodeStatus.DEEP_HEALTH_CHECK_IN_PROGRESS,
+                NodeStatus.ATTACH_IN_PROGRESS,
+            )
+            or node.endpoint is None
+            or node.push_token is None  # no agent registered with this control plane's tokens
+            or node.acked_generation >= cluster.generation
+        ):
+            continue
+        if node.push_claimed_until is not None and node.push_claimed_until > now:
+            outcome.note_due(node.push_claimed_until)
+            continue  # another control plane (or an earlier pass) is pushing it
+        if node.next_push_at is not None and node.next_push_at > now:
+            outcome.note_due(node.next_push_at)
+            continue
+        node.push_claimed_until = now + lease
+        policy = build_policy(
+            cluster, node, members, memory_scale=config.memory_scale, s3_endpoint=config.s3_endpoint
+        )
+        outcome.pushes.append(Push(node.id, node.endpoint, node.push_token, policy))
+    return outcome
+
+
+class PolicyPusher:
+    """Sends claimed pushes on a pool of ``workers`` threads and records what the agents answered."""
+
+    def __init__(self, *, db: Database, clock: Clock, ids: Ids, config: PushConfig, workers: int) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+        self.config = config
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="policy-push")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def send(self, pushes: list[Push], *, reset: bool = False) -> list[PushResult]:
+        return list(self._pool.map(lambda push: self.push_one(push, reset=reset), pushes))
+
+    def push_one(self, push: Push, *, reset: bool = False) -> PushResult:
+        """Push a node's policy; with ``reset``, one the agent takes even though it is older than
+        the one it has (the control plane's token is the authority). Never raises: whatever goes
+        wrong (a connect error, an endpoint it cannot even parse) is this node's error only."""
+        generation = push.policy.generation
+        try:
+            answer = self._put_policy(push, reset=reset)
+        except AgentUnreachable as exc:
+            return PushResult(push.node_id, generation, None, str(exc), reset=reset)
+        except Exception as exc:
+            return PushResult(push.node_id, generation, None, f"{type(exc).__name__}: {exc}", reset=reset)
+        status, text = answer.status, answer.text
+        applied = _applied_generation(text)
+        if status == 200 and applied is not None:
+            return PushResult(push.node_id, generation, applied, reset=reset)
+        error = f"HTTP {status}: {text[:200]}"
+        if status == 409 and applied is not None and applied > generation and not reset:
+            error = f"the agent answered that it has generation {applied}, newer than {generation}"
+            return PushResult(push.node_id, generation, None, error, ahead=applied)
+        permanent = status == 200 or 400 <= status < 500  # a 200 off the contract too
+        return PushResult(push.node_id, generation, None, error, permanent, reset=reset)
+
+    def _put_policy(self, push: Push, *, reset: bool) -> Answer:
+        """One PUT /v1/policy on a connection of its own."""
+        with AgentConnection(push.endpoint, token=push.token, timeout=self.config.timeout_s) as agent:
+            path = f"{POLICY_PATH}?reset=true" if reset else POLICY_PATH
+            return agent.call("PUT", path, body=push.policy.document())
+
+    def record(self, cluster_id: str, results: list[PushResult]) -> set[str]:
+        """Record what the agents answered; the nodes to push again with a reset (their agents are
+        ahead of every generation this control plane issued)."""
+        now = self.clock.now()
+        resets: set[str] = set()
+        with self.db.write() as session:
+            cluster = session.get(Cluster, cluster_id)
+            nodes = {
+                n.id: n
+                for n in session.scalars(select(Node).where(Node.id.in_([r.node_id for r in results])))
+            }
+            for result in results:
+                node = nodes.get(result.node_id)
+                if node is None:
+                    continue
+                node.push_claimed_until = None
+                if result.ahead is not None and cluster is not None:
+                    if result.ahead > cluster.generation:
+                        self._reset(session, cluster, node, result, now)
+                        resets.add(node.id)
+                        continue
+                    # A newer generation of ours (another control plane pushed it first).
+                    result = replace(result, applied=result.generation)
+                self._record_one(node, result, now)
+        return resets
+
+    def _reset(
+        self, session: Session, cluster: Cluster, node: Node, result: PushResult, now: datetime
+    ) -> None:
+        """The agent has a generation this control plane never issued: it is pushed ours again,
+        with a reset, at once."""
+        events.node_event(
+            session,
+            node,
+            f"The agent of node {node.id} reported policy generation "
+            f"{result.ahead}, ahead of this control plane's {cluster.generation}: a "
+            "policy it did not get from the control plane. Re-syncing it to generation "
+            f"{result.generation}.",
+            ids=self.ids,
+            now=now,
+            level=Level.WARN,
+        )
+        node.push_claimed_until = now + timedelta(seconds=self.config.timeout_s * 2)
+
+    def _record_one(self, node: Node, result: PushResult, now: datetime) -> None:
+        if result.applied is not None:
+            node.acked_generation = max(node.acked_generation, min(result.applied, result.generation))
+            node.push_attempts = 0
+            node.next_push_at = None
+            node.last_error = None
+            return
+        node.push_attempts += 1
+        if result.permanent:
+            delay = self.config.backoff_max_s
+        else:
+            delay = min(self.config.backoff_s * 2 ** (node.push_attempts - 1), self.config.backoff_max_s)
+        node.next_push_at = now + timedelta(seconds=delay)
+        node.last_error = f"policy push of generation {result.generation} failed: {result.error}"
+        log.info("push to %s failed (attempt %d): %s", node.id, node.push_attempts, result.error)
+
+
+def _applied_generation(text: str) -> int | None:
+    """``applied_generation`` of an agent's answer, or None if it has none."""
+    try:
+        value = json.loads(text)["applied_generation"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,3 @@
+"""Clusters: their lifecycle (CreateCluster, UpdateCluster, DeleteCluster, ...) and the rules botocore's
+shapes cannot express.
+"""

@@ -1,0 +1,3 @@
+"""Operations on a cluster's nodes: reboot, replace, add, move, deep health checks and rolling software
+updates.
+"""
