@@ -19,7 +19,7 @@ import pytest
 
 from hyperpod_sim.infra.processes import find_agent_pids
 from tests.agents import create_tiered, event_texts, nodes
-from tests.conftest import ControlPlane, free_port, group, node_token, wait_for
+from tests.conftest import ControlPlane, free_port, group, launch_secret, node_token, wait_for
 from tests.helpers import bearer
 from tests.tier import create_namespace, get, put, replicated, url
 
@@ -159,6 +159,41 @@ def test_a_replaced_nodes_credentials_are_refused(agent_plane: ControlPlane, sm:
     assert get(url(by_id[replacement]), "job", 0, 1).content == data
     assert get(url(by_id[keeper]), "job", 0, 1).content == data
     assert "forged" not in event_texts(sm, "swap")
+
+
+def test_a_late_heartbeat_of_a_crashed_agent_cannot_lock_its_successor_out(
+    agent_plane: ControlPlane, sm: Any
+) -> None:
+    """Bad luck on a loaded machine: an agent's heartbeat waits in the control plane's queue while
+    an AgentCrash kills the agent and the provisioner launches its successor. That late heartbeat
+    carries the dead agent's node token; had it still been valid, it would have spent the
+    successor's launch secret, and the successor could never register (its node Running with a
+    dead endpoint until it was failed for silence)."""
+    create_tiered(sm, "late", 1)
+    wait_for(
+        lambda: sm.describe_cluster(ClusterName="late")["ClusterStatus"] == "InService",
+        timeout=90,
+        what="late to be InService",
+    )
+    (node,) = nodes(agent_plane, "late")
+    victim = node["InstanceId"]
+    held = node_token(agent_plane, victim)  # the token the crashed agent held (the test plays it)
+    secret = launch_secret(agent_plane, victim)  # the successor's launch, as the provisioner does it
+    api = f"{agent_plane.url}/agent/v1/clusters/late"
+    late = httpx.post(
+        f"{api}/nodes/{victim}/heartbeat", json={"applied_generation": 1}, headers=bearer(held), timeout=10
+    )
+    assert (late.status_code, late.json()["error"]) == (403, "InvalidToken")
+    # The successor registers with its secret, and its own first heartbeat spends it.
+    registered = register(agent_plane, "late", secret, node_id=victim)
+    assert registered.status_code == 200, registered.text
+    token = registered.json()["node_token"]
+    beat = httpx.post(
+        f"{api}/nodes/{victim}/heartbeat", json={"applied_generation": 1}, headers=bearer(token), timeout=10
+    )
+    assert beat.status_code == 200, beat.text
+    again = register(agent_plane, "late", secret, node_id=victim)
+    assert (again.status_code, again.json()["error"]) == (403, "InvalidNodeSecret")
 
 
 def test_a_caller_without_credentials_cannot_tell_a_missing_cluster_from_an_existing_one(

@@ -2,7 +2,8 @@
 
 - A **launch secret**: made by the local provisioner for each agent process it starts, handed to
   that process only (in its environment), kept here as a SHA-256 digest. It registers that node,
-  once: the first heartbeat with the node token it got consumes it.
+  once: the first heartbeat with the node token it got consumes it. A new launch revokes the node
+  token of the node's earlier process (``bind_launch_secret``).
 - A **node token**: answered by registration; the agent's credential for every call it makes to
   the control plane. Kept as a digest; it authenticates its own node only.
 - A **control-plane token**: answered by registration; the control plane's credential for the
@@ -40,10 +41,18 @@ def matches(presented: str | None, stored_digest: str | None) -> bool:
 
 
 def bind_launch_secret(node: Node) -> str:
-    """Bind the node to a new launch secret, for the agent process about to be started (any earlier
-    secret stops working); the secret, to hand to that process only."""
+    """Bind the node to a new launch secret, for the agent process about to be started; the
+    secret, to hand to that process only.
+
+    Whatever the node's earlier agent process held stops working: its launch secret and its node
+    token. The token must: a call that process made before it died (a heartbeat in a loaded
+    server's queue when an AgentCrash killed it) may be carried out after this launch has
+    committed, and a heartbeat with a valid node token spends the outstanding launch secret, so the
+    new agent's registration would be refused for good and its node failed for silence. The
+    provisioner launches only when no agent of the node runs, so no live agent loses its token."""
     secret = new_secret()
     node.launch_secret_hash = digest(secret)
+    node.token_hash = None
     return secret
 
 
