@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from hyperpod_sim.api.app import create_app
-from hyperpod_sim.sdk.client import HyperPodClient
+from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from hyperpod_sim.settings import ProvisioningSettings
 from tests.conftest import (
     EKS,
@@ -245,3 +245,35 @@ def test_replacements_that_die_before_registering_stop_and_an_update_resumes_the
     descriptions = [e["Description"] for e in events_of(sm, "slot")]
     assert "Automatic node recovery of instance group 'workers' resumes (UpdateCluster)." in descriptions
     assert f"Node {stuck['InstanceId']} is replaced by " in " ".join(descriptions)
+
+
+@pytest.mark.parametrize("plane", ["wrapper"], indirect=True)
+def test_silence_after_a_database_outage_counts_on_the_control_planes_clock(plane: ControlPlane) -> None:
+    """Silence while the database did not answer fails no node: heartbeat deadlines count from the
+    outage's end, placed on the control plane's own clock. This one is injected and starts in
+    January, before the wall clock: a node lost after an outage still fails once its heartbeat
+    timeout (30 s) has passed on it. (When the database gave the outage's end as a wall-clock time,
+    no deadline on this clock ever passed after one: the test above hung in a loaded CI run
+    whenever a statement had waited longer than 2 s, which counts as a stall.)"""
+    sm = plane.client()
+    sm.create_cluster(
+        ClusterName="after", InstanceGroups=[group("workers", 1)], Orchestrator=EKS, NodeRecovery="None"
+    )
+    wait_status(sm, "after", "InService", timeout=90)
+    (node,) = sm.list_cluster_nodes(ClusterName="after")["ClusterNodeSummaries"]
+    with HyperPodClient(plane.url) as client:
+        fault = client.inject_control_plane_fault(Type="DatabaseOutage", DurationSeconds=600)
+        with pytest.raises(ClusterError) as refused:
+            client.describe_cluster("after")
+        assert refused.value.code == "ServiceUnavailable"
+        client.clear_control_plane_fault(fault["FaultId"])
+        client.inject_fault("after", Type="NodeLoss", InstanceId=node["InstanceId"])
+
+    def failed() -> dict[str, Any] | None:
+        plane.advance(1.0)
+        details = sm.describe_cluster_node(ClusterName="after", NodeId=node["InstanceId"])["NodeDetails"]
+        status: dict[str, Any] = details["InstanceStatus"]
+        return status if status["Status"] == "Failure" else None
+
+    status = wait_for(failed, timeout=120, what="the lost node failed on the control plane's clock")
+    assert "no heartbeat from its agent for 30 s" in status["Message"]

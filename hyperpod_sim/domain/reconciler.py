@@ -16,7 +16,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import OperationalError
@@ -470,8 +470,13 @@ class Reconciler:
         """Since when the control plane could hear its agents: silence before does not count
         against a node (the database's last failure or stall, when heartbeats were refused or could
         not be recorded, now while a statement waits for its answer, the epoch if it never failed;
-        this control plane's start, before which nobody was there to hear)."""
-        return max(datetime.fromtimestamp(self.db.unavailable_until(), tz=UTC), self._up_since)
+        this control plane's start, before which nobody was there to hear). On this reconciler's
+        clock: the database says how long ago, never when by the wall clock, which an injected
+        clock (a test's) does not follow."""
+        ago = self.db.unavailable_ago()
+        if ago is None:
+            return self._up_since
+        return max(self.clock.now() - timedelta(seconds=ago), self._up_since)
 
     def _new_node(
         self, session: Session, cluster: Cluster, group: InstanceGroup, now: datetime, outcome: Outcome

@@ -6,8 +6,10 @@ within ``connect_s``, a statement within ``statement_s`` on the server and a lit
 client, where a PostgreSQL connection whose answer does not come is closed), and what times out
 fails with ``OperationalError`` like a refused connection, which the API answers 503. Each such
 failure, and each statement that waited longer than ``pool_s`` for its answer, is noted
-(:meth:`Database.unavailable_until`): heartbeat deadlines count from it, so silence the control
-plane could not record fails no node.
+(:meth:`Database.unavailable_ago`): heartbeat deadlines count from it, so silence the control
+plane could not record fails no node. It is kept as a monotonic instant and answered as an age, so
+that the reconciler counts it on its own clock (an injected one in tests) and no change of the
+wall clock can move it.
 """
 
 from __future__ import annotations
@@ -152,10 +154,10 @@ class Database:
             )
         self._outage: Outage | None = None
         self._outage_lock = threading.Lock()
-        #: When a statement last failed for an outage (epoch seconds; 0: never), injected or real, or
-        #: last waited longer than ``pool_s`` for its answer; when one last got its answer.
-        self.last_unavailable_at = 0.0
-        self.last_answered_at = 0.0
+        #: When a statement last failed for an outage (monotonic seconds; None: never), injected or
+        #: real, or last waited longer than ``pool_s`` for its answer; when one last got its answer.
+        self.last_unavailable_at: float | None = None
+        self.last_answered_at: float | None = None
         # Statements waiting for their answer: id of their connection -> since (monotonic).
         self._in_flight: dict[int, float] = {}
         event.listen(self.engine, "before_cursor_execute", self._statement_starts)
@@ -184,26 +186,28 @@ class Database:
         try:
             yield
         except PoolTimeout as exc:
-            self.last_unavailable_at = time.time()
+            self.last_unavailable_at = time.monotonic()
             cause = DatabaseUnreachable(
                 f"no database connection came free within {self.timeouts.pool_s:g} s: each waits on "
                 "a database that does not answer"
             )
             raise OperationalError("checkout", None, cause) from exc
         except OperationalError:
-            self.last_unavailable_at = time.time()
+            self.last_unavailable_at = time.monotonic()
             raise
 
     # ------------------------------------------------------------------ is it answering?
 
-    def unavailable_until(self) -> float:
-        """Until when the control plane could not hear through its database (epoch seconds; 0:
-        always could): the last failed or stalled statement's end, or now while one has waited
-        longer than ``pool_s`` for its answer. Heartbeat deadlines count from it."""
-        now = time.time()
+    def unavailable_ago(self) -> float | None:
+        """How many seconds ago the control plane last could not hear through its database: since
+        the last failed or stalled statement's end, 0 while one has waited longer than ``pool_s``
+        for its answer or an injected fault is in force, None if it always could. Heartbeat
+        deadlines count from then (the reconciler places it on its own clock)."""
         if self._stalled_since() is not None or self._fault_in_force() is not None:
-            return now
-        return self.last_unavailable_at
+            return 0.0
+        if self.last_unavailable_at is None:
+            return None
+        return max(0.0, time.monotonic() - self.last_unavailable_at)
 
     def answers(self) -> str | None:
         """None when the database answers, else why not (from memory: no statement is sent)."""
@@ -213,7 +217,9 @@ class Database:
         stalled = self._stalled_since()
         if stalled is not None:
             return f"a statement has waited {time.monotonic() - stalled:.0f} s for its answer"
-        if self.last_unavailable_at > self.last_answered_at:
+        if self.last_unavailable_at is not None and (
+            self.last_answered_at is None or self.last_unavailable_at > self.last_answered_at
+        ):
             return "its last statement failed: it did not answer"
         return None
 
@@ -242,8 +248,8 @@ class Database:
         self, conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
     ) -> None:
         started = self._in_flight.pop(id(conn), None)
-        now = time.time()
-        if started is not None and time.monotonic() - started > self.timeouts.pool_s:
+        now = time.monotonic()
+        if started is not None and now - started > self.timeouts.pool_s:
             self.last_unavailable_at = now  # answered, but only after a stall
         self.last_answered_at = now
 
@@ -295,7 +301,7 @@ class Database:
             deadline = self.timeouts.answer_s
             left = outage.ends_monotonic - time.monotonic()
             over = outage.over.wait(min(max(left, 0.0), deadline)) or left <= deadline
-            self.last_unavailable_at = time.time()
+            self.last_unavailable_at = time.monotonic()
             with self._outage_lock:
                 if over:
                     outage.held += 1
@@ -308,7 +314,7 @@ class Database:
             return OperationalError(what, None, cause)
         with self._outage_lock:
             outage.refused += 1
-        self.last_unavailable_at = time.time()
+        self.last_unavailable_at = time.monotonic()
         cause = DatabaseUnreachable(
             f"the database is unreachable (fault {outage.fault_id}, an injected DatabaseOutage)"
         )
@@ -320,7 +326,7 @@ class Database:
         if connection is not None:
             self._in_flight.pop(id(connection), None)
         if context.is_disconnect or isinstance(context.sqlalchemy_exception, OperationalError):
-            self.last_unavailable_at = time.time()
+            self.last_unavailable_at = time.monotonic()
 
     def _refuse_statement(
         self, conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
