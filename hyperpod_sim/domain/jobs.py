@@ -348,11 +348,7 @@ class JobService(DomainService):
         return chosen
 
     def _environment(self, node: Node, cluster: Cluster, job: Job) -> dict[str, str]:
-        return {
-            **self.provisioner.session_environment(node),
-            "HPSIM_CLUSTER": cluster.name,
-            JOB_MARK: job.id,
-        }
+        return {**self.provisioner.session_environment(cluster, node), JOB_MARK: job.id}
 
     def end_attempt(self, *, name: str, job: str, attempt: int, end: AttemptEnd) -> tuple[Job, bool]:
         """Record how attempt ``attempt`` ended; the job and whether it starts again."""

@@ -105,9 +105,10 @@ class Provisioner(Protocol):
     def heal_agent(self, node: Node) -> bool:
         """End the node's partition; whether it had one."""
 
-    def session_environment(self, node: Node) -> dict[str, str]:
-        """What a command run on the node gets in its environment (``node exec``: the node, its
-        agent, the control plane as the node reaches it); the node's end ends such commands."""
+    def session_environment(self, cluster: Cluster, node: Node) -> dict[str, str]:
+        """What a command run on the node of ``cluster`` gets in its environment (``node exec``
+        and a job's ranks: the cluster, the node, its agent, the control plane as the node reaches
+        it); the node's end ends such commands."""
 
 
 class _NoProcesses:
@@ -142,7 +143,7 @@ class _NoProcesses:
     def pause_agent(self, node: Node) -> list[int]:
         raise NotImplementedError("this provisioner owns no agent processes")
 
-    def session_environment(self, node: Node) -> dict[str, str]:
+    def session_environment(self, cluster: Cluster, node: Node) -> dict[str, str]:
         raise NotImplementedError("this provisioner runs nothing on its nodes")
 
     def resume_agent(self, node: Node) -> list[int]:

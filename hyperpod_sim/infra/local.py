@@ -187,11 +187,12 @@ class LocalProvisioner:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.process.wait(timeout=5)  # collected now, so that it is not left as a zombie
 
-    def session_environment(self, node: Node) -> dict[str, str]:
-        """What a command run on the node gets in its environment (``node exec``): the node, its
-        agent, its address and the control plane as the node reaches it, and the mark by which
-        the node's end ends it (infra/node_processes.py). The node is remembered as having had
-        commands, so that its end looks for them (a restart of serve included)."""
+    def session_environment(self, cluster: Cluster, node: Node) -> dict[str, str]:
+        """What a command run on the node gets in its environment (``node exec``, a job's ranks):
+        its cluster, the node, its agent, its address and the control plane as the node reaches it,
+        and the mark by which the node's end ends it (infra/node_processes.py). The node is
+        remembered as having had commands, so that its end looks for them (a restart of serve
+        included)."""
         agent_dir = self.agent_dir(node.id)
         agent_dir.mkdir(parents=True, exist_ok=True)
         (agent_dir / SESSIONS_MARK).touch()
@@ -201,6 +202,7 @@ class LocalProvisioner:
         return {
             **inside,
             ON_NODE: node.id,
+            "HPSIM_CLUSTER": cluster.name,
             "HPSIM_NODE_ID": node.id,
             "HPSIM_NODE_ADDRESS": node.address or "127.0.0.1",
             "HPSIM_AGENT_URL": node.endpoint or "",

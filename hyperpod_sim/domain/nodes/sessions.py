@@ -56,7 +56,7 @@ class NodeSessionService(DomainService):
                     f"Node '{node_id}' is {node.status}: commands run on a Running node "
                     "(wait for it: hyperpod-sim cluster wait, or DescribeClusterNode)."
                 )
-            environment = {**self.provisioner.session_environment(node), "HPSIM_CLUSTER": cluster.name}
+            environment = self.provisioner.session_environment(cluster, node)
             return NodeSession(
                 cluster=cluster.name,
                 node_id=node.id,
