@@ -60,13 +60,30 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
         # The save the step's metadata commits (None: the library's metadata, which names none):
         # only its shards are used, by checksum, from whichever tier serves them.
         self.save: SaveRecord | None = None
+        # The world size of the job that saved the step read (known once its metadata is read):
+        # another than this job's, and the step loads resharded (DCP's planner maps the saved
+        # chunks onto this job's sharding; each rank reads only the saved shards it needs).
+        self.saved_world_size: int | None = None
+        self._namespace_ranks: int | None = None
+
+    def namespace_ranks(self) -> int:
+        """The namespace's ranks (the metadata is the last), as its agent says; this job's world
+        size + 1 when the agent cannot say (then only a step of this world size is found)."""
+        if self._namespace_ranks is None:
+            try:
+                answer = self._client.namespace(self.config.namespace)
+            except AgentError as exc:
+                log.warning("the agent did not say the ranks of %r: %s", self.config.namespace, exc)
+                answer = None
+            self._namespace_ranks = answer.num_ranks if answer is not None else self.config.world_size + 1
+        return self._namespace_ranks
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         candidates = (
             [self.step] if self.step is not None else self._client.latest(self.config.namespace, limit=10)
         )
         problems = []
-        rank = self.config.metadata_rank
+        rank = self.namespace_ranks() - 1
         for step in candidates:
             for data, tier in self._copies(rank, step, local=True):
                 try:
@@ -76,6 +93,7 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
                     continue
                 self.step = step
                 self.save = save
+                self.saved_world_size = save.world_size if save is not None else rank
                 return metadata
             problems.append(f"step {step}: {self._no_copy(rank, step)}")
         self.failure = (
@@ -300,7 +318,7 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
                     self.config.namespace,
                     rank,
                     step,
-                    world_size=self.config.world_size,
+                    world_size=self.namespace_ranks() - 1,
                     checksum=checksum,
                 )
             except Exception as exc:  # S3 unreachable, a marker that is not one, ...

@@ -38,6 +38,9 @@ from torch.distributed.checkpoint.metadata import (
 
 FORMAT = "hyperpod-sim/dcp-metadata"
 VERSION = 1
+# What a step saved by fewer ranks than its namespace holds at the ranks it did not use (between
+# its last rank and the metadata rank): never read, there so that every rank of the step is held.
+PLACEHOLDER = b"hpsim-unused-rank/1\n"
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,11 @@ class SaveRecord:
 
     id: str
     shards: tuple[ShardStamp, ...]
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the job that saved the step (its shards are ranks 0..world_size-1)."""
+        return len(self.shards)
 
     def checksum_of(self, rank: int) -> str | None:
         return next((s.checksum for s in self.shards if s.rank == rank), None)
