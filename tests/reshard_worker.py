@@ -5,7 +5,7 @@ step saved by one world size loads resharded into another's sharding.
 Run by tests as a subprocess, one per rank:
 
     python -m tests.reshard_worker --rank R --world-size W --master-port P --agent-url URL
-        --namespace NS [--save N] [--load] [--s3-base s3://b/p] --out result.json
+        --namespace NS [--save N] [--load] [--load-step N] [--s3-base s3://b/p] --out result.json
 
 The state is a function of the step only (never of the rank or the world size): tensors sharded
 on dim 0 (rows that no world size here divides evenly) and on dim 1, a replicated DTensor, a
@@ -68,7 +68,11 @@ def same(got: Any, wanted: Any) -> bool:
             and torch.equal(got, wanted)
         )
     if isinstance(wanted, dict):
-        return isinstance(got, dict) and got.keys() == wanted.keys() and all(same(got[k], wanted[k]) for k in wanted)
+        return (
+            isinstance(got, dict)
+            and got.keys() == wanted.keys()
+            and all(same(got[k], wanted[k]) for k in wanted)
+        )
     return type(got) is type(wanted) and bool(got == wanted)
 
 
@@ -76,6 +80,7 @@ def main() -> int:
     parser = rank_parser()
     parser.add_argument("--save", type=int)
     parser.add_argument("--load", action="store_true")
+    parser.add_argument("--load-step", type=int, help="load this step (default: the newest)")
     parser.add_argument("--s3-base", default="")
     args = parser.parse_args()
 
@@ -88,15 +93,18 @@ def main() -> int:
             agent_url=args.agent_url,
             s3_tier_base_path=args.s3_base,
         )
-        if args.load:
+        if args.load or args.load_step is not None:
             template = sharded(full_state(987), mesh)  # this job's sharding, other values
-            loaded = load_latest(template, config)
+            loaded = load_latest(template, config, step=args.load_step)
             result["loaded_step"] = loaded.step
             result["saved_world_size"] = loaded.saved_world_size
             result["served_by"] = {str(k): v for k, v in loaded.served_by.items()}
             result["equal"] = same(template, sharded(full_state(loaded.step), mesh))
         if args.save is not None:
-            save(sharded(full_state(args.save), mesh), storage_writer=TieredStorageWriter(config, step=args.save))
+            save(
+                sharded(full_state(args.save), mesh),
+                storage_writer=TieredStorageWriter(config, step=args.save),
+            )
             result["saved"] = args.save
         torch.distributed.barrier()
     write_result(args, result)

@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
+from hyperpod_sim.sdk.agent import AgentClient
+from hyperpod_sim.sdk.client import HyperPodClient
 from tests.conftest import ControlPlane, wait_for
 from tests.helpers import run_ranks
 from tests.s3_checkpoints import markers, set_policy
@@ -32,6 +34,11 @@ def agent_settings(s3_agent_settings: dict[str, Any]) -> dict[str, Any]:
     return s3_agent_settings
 
 
+def loads(results: list[dict[str, Any]]) -> list[tuple[int, int, bool]]:
+    """Each rank's (step loaded, world size that saved it, every tensor and value exact)."""
+    return [(r["loaded_step"], r["saved_world_size"], r["equal"]) for r in results]
+
+
 def job(tmp_path: Path, urls: list[str], world: int, ns: str, *args: str) -> list[dict[str, Any]]:
     """A DTensor job of ``world`` ranks (tests/reshard_worker.py), rank r through urls[r % len(urls)]."""
     label = f"{ns}-w{world}"
@@ -46,9 +53,47 @@ def test_a_step_loads_on_any_world_size_and_saves_go_on(
     # Two nodes lost, no spares: 2 and 3 ranks load the 4-rank step, each rank its own part.
     for world in (2, 3):
         loaded = job(tmp_path, urls, world, "job", "--load")
-        assert [(r["loaded_step"], r["saved_world_size"], r["equal"]) for r in loaded] == [(1, 4, True)] * world
+        assert loads(loaded) == [(1, 4, True)] * world
     # The 3-rank job saves on in the same namespace; a 4-rank job (replacements came) loads that.
     job(tmp_path, urls, 3, "job", "--save", "2")
-    assert latest(urls[0], "job")[:2] == [2, 1]
+    # latest names each step's world size; the library's view (a job of the namespace's fixed
+    # world size, 4) holds only the steps it can read.
+    assert AgentClient(urls[1]).latest_sizes("job") == {2: 3, 1: 4}
+    assert latest(urls[0], "job") == [1]
+    # The checkpoint listing names the world size of a step saved at another than the namespace's.
+    (namespace,) = HyperPodClient(agent_plane.url).checkpoints("reshard")["Namespaces"]
+    assert namespace["NumRanks"] == 5
+    assert [(s["Step"], s.get("WorldSize"), s["Complete"]) for s in namespace["Steps"]] == [
+        (2, 3, True),
+        (1, None, True),
+    ]
     loaded = job(tmp_path, urls, 4, "job", "--load")
-    assert [(r["loaded_step"], r["saved_world_size"], r["equal"]) for r in loaded] == [(2, 3, True)] * 4
+    assert loads(loaded) == [(2, 3, True)] * 4
+
+
+def test_a_step_on_s3_loads_resharded_after_memory_is_wiped(
+    agent_plane: ControlPlane, sm: Any, tmp_path: Path, s3: Any, bucket: str
+) -> None:
+    urls = [url(n) for n in cluster(sm, agent_plane, "reshards3", 2, instance_type="ml.g5.2xlarge")]
+    set_policy(agent_plane, sm, "reshards3", S3BaseUri=f"s3://{bucket}/r", PersistEverySteps=1)
+    job(tmp_path, urls, 4, "job", "--save", "1")
+    job(tmp_path, urls, 3, "job", "--save", "2")  # with a placeholder at rank 3, the metadata at 4
+    wait_for(lambda: markers(s3, bucket, "r/job/") == [1, 2], timeout=90, what="steps 1 and 2 on S3")
+    # The memory tier is wiped: every copy of every rank of both steps, on every node.
+    for step in (1, 2):
+        for rank in range(5):
+            assert httpx.delete(f"{urls[0]}/v1/cp/checkpoints/job/{rank}/{step}").status_code == 200
+    held = [
+        httpx.get(f"{u}/v1/fast/shards/job/{r}/{s}").status_code
+        for u in urls
+        for r in range(5)
+        for s in (1, 2)
+    ]
+    assert set(held) == {404}
+    loaded = job(tmp_path, urls, 2, "job", "--load")
+    assert loads(loaded) == [(2, 3, True)] * 2
+    assert all(set(r["served_by"].values()) == {"s3"} for r in loaded), loaded
+    # The older step, saved by 4 ranks, on 3.
+    loaded = job(tmp_path, urls, 3, "job", "--load-step", "1")
+    assert loads(loaded) == [(1, 4, True)] * 3
+    assert all(set(r["served_by"].values()) == {"s3"} for r in loaded), loaded

@@ -47,6 +47,7 @@ from hyperpod_sim.contracts.agent_api import (
     FAST_RESERVE_ROUTE,
     FAST_SHARD_ROUTE,
     SAVE_PARAMETER,
+    WORLD_SIZES_PARAMETER,
     agent_path,
 )
 from hyperpod_sim.contracts.agent_bodies import (
@@ -54,6 +55,7 @@ from hyperpod_sim.contracts.agent_bodies import (
     FastCommitted,
     FastLocation,
     FastReservation,
+    LatestSteps,
     NamespaceAnswer,
     SpareBuffer,
     problem_of,
@@ -338,14 +340,24 @@ class AgentClient:
         return doc
 
     def latest(self, namespace: str, *, limit: int = 5) -> list[int]:
+        """The newest complete steps, newest first, whatever the world size that saved each."""
+        return list(self.latest_sizes(namespace, limit=limit))
+
+    def latest_sizes(self, namespace: str, *, limit: int = 5) -> dict[int, int]:
+        """The newest complete steps, newest first, each with the world size of the job that saved
+        it (``?world_sizes=true``; without it the agent answers the library's view: the steps of
+        the namespace's own world size only)."""
         response = self._call(
-            "GET", agent_path(CP_LATEST_ROUTE, namespace=namespace), params={"limit": limit}
+            "GET",
+            agent_path(CP_LATEST_ROUTE, namespace=namespace),
+            params={"limit": limit, WORLD_SIZES_PARAMETER: "true"},
         )
         if response.status_code == 404:
-            return []
+            return {}
         if response.status_code != 200:
             raise self._fail(response, "latest")
-        return [int(s) for s in response.json()]
+        doc = _parsed(LatestSteps, response, "latest")
+        return {step: doc.world_sizes[step] for step in doc.steps}
 
     def put(
         self,

@@ -42,12 +42,13 @@ class TieredCheckpointConfig:
     metadata is the last). A step saved by a job of another world size loads resharded into this
     job's sharding; this job saves in the namespace when it has room for ``world_size`` ranks
     (docs/sdk.md#resharding). ``max_world_size``: the most ranks a job of this namespace will
-    have, when it may grow: the namespace is created with room for them. ``agent_url``: this node's agent (default: from the environment, see
-    ``sdk.agent.discover_agent_url``). ``s3_tier_base_path``: the cluster's S3 base URI; when set,
-    a reader whose agent has no good copy reads committed steps from S3 directly. ``fast_path``:
-    write and read the agent's shared memory directly when it is reachable from this process.
-    ``shm_root``: the only directory whose files the fast path maps (default
-    ``HPSIM_SIMULATION__SHM_ROOT``, else ``/dev/shm/hpsim``; see ``sdk.agent.open_shared``).
+    have, when it may grow: the namespace is created with room for them. ``agent_url``: this
+    node's agent (default: from the environment, see ``sdk.agent.discover_agent_url``).
+    ``s3_tier_base_path``: the cluster's S3 base URI; when set, a reader whose agent has no good
+    copy reads committed steps from S3 directly. ``fast_path``: write and read the agent's shared
+    memory directly when it is reachable from this process. ``shm_root``: the only directory
+    whose files the fast path maps (default ``HPSIM_SIMULATION__SHM_ROOT``, else
+    ``/dev/shm/hpsim``; see ``sdk.agent.open_shared``).
     """
 
     namespace: str

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from hyperpod_sim.contracts.shards import UNUSED_RANK
 from hyperpod_sim.sdk import metadata as codec
 from hyperpod_sim.sdk.agent import FastWrite, ReservationLost
 from hyperpod_sim.sdk.checkpoint_config import (
@@ -381,7 +382,7 @@ class TieredStorageWriter(StepCheckpointIds, StorageWriter, AsyncStager):
         # is complete for the agents (every rank of the namespace held) and on S3 like any other.
         metadata_rank = self._ensure_namespace() - 1
         for rank in range(world_size, metadata_rank):
-            self._client.put(self.config.namespace, rank, self.step, codec.PLACEHOLDER, save=save.id)
+            self._client.put(self.config.namespace, rank, self.step, UNUSED_RANK, save=save.id)
         self._client.put(
             self.config.namespace,
             metadata_rank,

@@ -38,9 +38,6 @@ from torch.distributed.checkpoint.metadata import (
 
 FORMAT = "hyperpod-sim/dcp-metadata"
 VERSION = 1
-# What a step saved by fewer ranks than its namespace holds at the ranks it did not use (between
-# its last rank and the metadata rank): never read, there so that every rank of the step is held.
-PLACEHOLDER = b"hpsim-unused-rank/1\n"
 
 
 @dataclass(frozen=True)
