@@ -97,3 +97,26 @@ def test_a_step_on_s3_loads_resharded_after_memory_is_wiped(
     loaded = job(tmp_path, urls, 3, "job", "--load-step", "1")
     assert loads(loaded) == [(1, 4, True)] * 3
     assert all(set(r["served_by"].values()) == {"s3"} for r in loaded), loaded
+
+
+def test_fsdp2_training_on_4_ranks_resumes_on_2_with_the_losses_of_an_uninterrupted_run(
+    agent_plane: ControlPlane, sm: Any, tmp_path: Path
+) -> None:
+    urls = [url(n) for n in cluster(sm, agent_plane, "fsdp", 2, instance_type="ml.g5.2xlarge")]
+    whole = tmp_path / "state-after-step-3.pt"
+
+    def fsdp(world: int, label: str, *args: str) -> list[dict[str, Any]]:
+        return run_ranks(tmp_path, "tests.fsdp_worker", urls, world, "fsdp", *args, label=label).results()
+
+    # Model + AdamW sharded with fully_shard on 4 ranks: 3 steps, saved; the same state written
+    # whole (outside any checkpoint) for the run it is compared with.
+    fsdp(4, "first", "--train", "3", "--save-step", "3", "--full-out", str(whole))
+    resumed = fsdp(2, "resumed", "--resume", "--train", "3")
+    uninterrupted = fsdp(2, "uninterrupted", "--from-full", str(whole), "--train", "3")
+    assert [(r["loaded_step"], r["saved_world_size"]) for r in resumed] == [(3, 4), (3, 4)]
+    expected = uninterrupted[0]["losses"]
+    assert len(set(expected)) == 3  # three steps, three losses: training moves
+    assert all(r["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-7) for r in resumed), (
+        resumed,
+        expected,
+    )
