@@ -65,6 +65,11 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
         # chunks onto this job's sharding; each rank reads only the saved shards it needs).
         self.saved_world_size: int | None = None
         self._namespace_ranks: int | None = None
+        # Bytes of saved shards this rank read (fetched, or mapped and verified) and bytes it
+        # needed of them (copied into its tensors, and its values' records): a resharded load
+        # reads only the saved ranks whose chunks overlap this rank's.
+        self.bytes_read = 0
+        self.bytes_needed = 0
 
     def namespace_ranks(self) -> int:
         """The namespace's ranks (the metadata is the last), as its agent says; this job's world
@@ -158,6 +163,7 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
         if local is not None:
             where = f"{local.tier} (this node, mapped)"
             try:
+                self.bytes_read += len(local.view)
                 self._apply(items, local.view, planner, expected=local.checksum)
             except IntegrityError as exc:
                 self._reject(rank, step, where, str(exc))
@@ -170,6 +176,7 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
                 local.release()
         for data, tier in self._copies(rank, step, local=False, checksum=expected):
             try:
+                self.bytes_read += len(data)
                 self._apply(items, data, planner)
             except IntegrityError as exc:
                 self._reject(rank, step, tier, str(exc))
@@ -273,11 +280,13 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
             if target.size() != src.size():
                 raise ValueError(f"{fqn}: stored {tuple(src.size())}, wanted {tuple(target.size())}")
             target.copy_(src)
+            self.bytes_needed += target.numel() * target.element_size()
             planner.commit_tensor(item, target)
             del src
         del source
         for item, value in values:
             _assign(planner, item, value)
+        self.bytes_needed += sum(length for _, length in spans)
 
     def _copies(
         self, rank: int, step: int, *, local: bool, checksum: str | None = None
