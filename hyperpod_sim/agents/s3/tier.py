@@ -570,8 +570,9 @@ class S3Tier:
         except S3Unavailable as exc:
             log.warning("cannot read the marker of step %d of %r: %s", step, name, exc)
             return None
-        if raw is None:
-            return await self._world_size(name)
+        if raw is None:  # the library's own write: its job's world size (1 in a one-rank namespace)
+            size = await self._world_size(name)
+            return 1 if size is None else size
         try:
             return CommitMarker.world_size_of(raw)
         except (ValueError, KeyError, TypeError):
