@@ -13,7 +13,7 @@ import pytest
 from hyperpod_sim.sdk.agent import AgentClient
 from hyperpod_sim.sdk.client import HyperPodClient
 from tests.conftest import ControlPlane, wait_for
-from tests.helpers import run_ranks
+from tests.helpers import hpsim, ok, run_ranks
 from tests.s3_checkpoints import markers, set_policy
 from tests.tier import cluster, latest, url
 
@@ -67,6 +67,13 @@ def test_a_step_loads_on_any_world_size_and_saves_go_on(
         (2, 3, True),
         (1, None, True),
     ]
+    # The CLI shows a WORLD SIZE column for a namespace with such a step.
+    lines = ok(hpsim(agent_plane.url, "checkpoints", "reshard")).splitlines()
+    assert lines[:2] == [
+        "Namespace job: 5 ranks, 3 steps kept in memory",
+        "STEP  WORLD SIZE  IN MEMORY  REPLICAS  ON S3  COMPLETE  NOT IN MEMORY",
+    ]
+    assert [line.split()[:2] for line in lines[2:4]] == [["2", "3"], ["1", "4"]]
     loaded = job(tmp_path, urls, 4, "job", "--load")
     assert loads(loaded) == [(2, 3, True)] * 4
 
