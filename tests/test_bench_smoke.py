@@ -1,4 +1,4 @@
-"""The benchmark scripts still run: ``bench/run_all.py`` over all five with small sizes, and
+"""The benchmark scripts still run: ``bench/run_all.py`` over all six with small sizes, and
 ``bench/agent_http.py`` (the agents' HTTP server against the loopback ceiling, docs/decisions/0001)
 with a 4 MiB body.
 
@@ -23,6 +23,7 @@ SMALL = {
     "memory_tier": "--sizes 8 --repeats 1 --no-replication",
     "s3_tier": "--sizes 8 --repeats 1 --saves 2 --save-size 4",
     "checkpoint_path": "--sizes 16 --repeats 2",
+    "reshard": "--size 16 --repeats 1",
 }
 
 

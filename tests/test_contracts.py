@@ -44,7 +44,15 @@ from hyperpod_sim.contracts.s3layout import (
     step_of_key,
     trainer_steps,
 )
-from hyperpod_sim.contracts.shards import Checksum, ShardMetaError, checksum_of, parse_shard_meta, shard_meta
+from hyperpod_sim.contracts.shards import (
+    UNUSED_RANK,
+    Checksum,
+    ShardMetaError,
+    checksum_of,
+    parse_shard_meta,
+    shard_meta,
+    step_world_size,
+)
 
 SHA = "ab" * 32
 
@@ -243,10 +251,28 @@ def test_a_route_table_matches_templates_segment_by_segment() -> None:
     assert table.lookup("/v1/internal") is None
 
 
+def test_a_steps_world_size_is_its_lowest_rank_holding_the_unused_placeholder() -> None:
+    # A namespace of 5 ranks (made by a 4-rank job): a 2-rank job's step holds it at ranks 2-3.
+    assert step_world_size(5, [3, 2]) == 2
+    assert step_world_size(5, []) == 4
+    assert step_world_size(1, []) == 1
+    shards = [
+        {"rank": r, "key": f"k{r}", "size": 1, "checksum": checksum_of(UNUSED_RANK if r == 3 else b"x%d" % r)}
+        for r in range(5)
+    ]
+    marker = json.dumps({"num_ranks": 5, "shards": shards}).encode()
+    assert CommitMarker.world_size_of(marker) == 3
+
+
 def test_agent_bodies_round_trip_in_their_wire_order() -> None:
-    index = ShardIndex(node_id="i-1", steps={5: (0, 1)}, primary={5: (1,)}, replica={5: (0,)})
+    index = ShardIndex(
+        node_id="i-1", steps={5: (0, 1)}, primary={5: (1,)}, replica={5: (0,)}, unused={5: (1,)}
+    )
     wire = json.dumps(index.document())
-    assert wire == '{"node_id": "i-1", "steps": {"5": [0, 1]}, "primary": {"5": [1]}, "replica": {"5": [0]}}'
+    assert wire == (
+        '{"node_id": "i-1", "steps": {"5": [0, 1]}, "primary": {"5": [1]}, "replica": {"5": [0]}, '
+        '"unused": {"5": [1]}}'
+    )
     assert ShardIndex.parse(wire) == index
     request = PersistRequest(base_uri="s3://b/p", ranks=(0, 2), replicas=True, save=None)
     assert request.document() == {"base_uri": "s3://b/p", "ranks": [0, 2], "replicas": True, "save": None}

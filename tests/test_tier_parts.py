@@ -20,6 +20,7 @@ from hyperpod_sim.agents.s3.tier import PersistFailed, is_temporary
 from hyperpod_sim.agents.store import ShardInfo, ShardKey, ShardStore
 from hyperpod_sim.agents.tiermodel import Namespace, TierError
 from hyperpod_sim.contracts.agent_bodies import ShardIndex
+from hyperpod_sim.contracts.shards import UNUSED_RANK_CHECKSUM
 from tests.clocks import ManualClock
 
 MiB = 1 << 20
@@ -35,17 +36,30 @@ def test_a_step_is_complete_when_every_rank_is_held_somewhere() -> None:
 
 
 def test_the_local_index_separates_own_shards_from_replicas(tmp_path: Path) -> None:
-    def info(rank: int, step: int, replica_of: str | None) -> ShardInfo:
-        return ShardInfo(ShardKey("job", rank, step), 1, "", replica_of, tmp_path / "x", 0.0)
+    def info(rank: int, step: int, replica_of: str | None, checksum: str = "") -> ShardInfo:
+        return ShardInfo(ShardKey("job", rank, step), 1, checksum, replica_of, tmp_path / "x", 0.0)
 
-    index = catalog.local_index([info(1, 5, None), info(0, 5, "node-b"), info(0, 4, None)], "node-a")
+    shards = [
+        info(1, 5, None),
+        info(0, 5, "node-b"),
+        info(0, 4, None),
+        info(2, 5, None, UNUSED_RANK_CHECKSUM),
+    ]
+    index = catalog.local_index(shards, "node-a")
     assert index.document() == {
         "node_id": "node-a",
-        "steps": {"4": [0], "5": [0, 1]},
-        "primary": {"4": [0], "5": [1]},
+        "steps": {"4": [0], "5": [0, 1, 2]},
+        "primary": {"4": [0], "5": [1, 2]},
         "replica": {"5": [0]},
+        "unused": {"5": [2]},  # step 5 was saved by a job of 2 ranks
     }
-    assert ShardIndex.parse(json.dumps(index.document())).steps == {4: (0,), 5: (0, 1)}
+    assert ShardIndex.parse(json.dumps(index.document())).steps == {4: (0,), 5: (0, 1, 2)}
+
+
+def test_each_step_is_named_with_the_world_size_that_saved_it() -> None:
+    # A namespace of 5 ranks: step 7 saved by 2 ranks (placeholders at 2 and 3, on two nodes),
+    # step 6 by 4 (none).
+    assert catalog.world_sizes(5, [7, 6], [{7: [3]}, {7: [2]}]) == {7: 2, 6: 4}
 
 
 def test_retention_keeps_the_newest_committed_steps_and_drops_abandoned_uploads() -> None:

@@ -2,7 +2,9 @@
 the one place that gathers those indexes (this node's store and every other agent's).
 
 A step is complete when every rank of the namespace (the metadata rank included) is held somewhere
-in the cluster: a step that a crash left half-written is never listed (docs/memory-tier.md).
+in the cluster: a step that a crash left half-written is never listed (docs/memory-tier.md). A step
+saved by a job of fewer ranks holds ``shards.UNUSED_RANK`` at the ranks it did not have; its world
+size is the lowest of them (``contracts.shards.step_world_size``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hyperpod_sim.agents.cluster import ClusterView
 from hyperpod_sim.agents.store import ShardInfo, ShardStore
 from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, agent_path
 from hyperpod_sim.contracts.agent_bodies import ShardIndex, problem_of
+from hyperpod_sim.contracts.shards import UNUSED_RANK_CHECKSUM, step_world_size
 
 log = logging.getLogger("hyperpod_sim.agents.tier")
 
@@ -37,14 +40,22 @@ def complete_steps(num_ranks: int, indexes: Iterable[Held]) -> list[int]:
     return sorted((step for step, ranks in merge(indexes).items() if everyone <= ranks), reverse=True)
 
 
+def world_sizes(num_ranks: int, steps: Iterable[int], unused: Iterable[Held]) -> dict[int, int]:
+    """The world size of the job that saved each of ``steps``, from the ranks the indexes hold
+    ``UNUSED_RANK`` at (``unused``)."""
+    merged = merge(unused)
+    return {step: step_world_size(num_ranks, merged.get(step, ())) for step in steps}
+
+
 def local_index(shards: Iterable[ShardInfo], node_id: str | None) -> ShardIndex:
     """This node's index of a namespace, as ``/v1/internal/index`` answers it: ``steps`` every
     copy, ``primary`` this node's own shards, ``replica`` the copies it holds of other nodes'
     shards (``steps`` is their union); steps and ranks in order."""
-    held: dict[str, dict[int, set[int]]] = {"steps": {}, "primary": {}, "replica": {}}
+    held: dict[str, dict[int, set[int]]] = {"steps": {}, "primary": {}, "replica": {}, "unused": {}}
     for info in shards:
         kind = "primary" if info.replica_of is None else "replica"
-        for member in ("steps", kind):
+        members = ("steps", kind, "unused") if info.checksum == UNUSED_RANK_CHECKSUM else ("steps", kind)
+        for member in members:
             held[member].setdefault(info.key.step, set()).add(info.key.rank)
     ordered = {
         member: {step: tuple(sorted(ranks)) for step, ranks in sorted(steps.items())}
@@ -81,10 +92,20 @@ def retention_plan(
 async def cluster_complete_steps(cluster: ClusterView, store: ShardStore, name: str) -> list[int]:
     """The complete steps of ``name`` across the cluster, newest first: this node's store and the
     index of every agent that answers."""
+    return list(await cluster_steps(cluster, store, name))
+
+
+async def cluster_steps(cluster: ClusterView, store: ShardStore, name: str) -> dict[int, int]:
+    """The complete steps of ``name`` across the cluster, newest first, each with the world size
+    of the job that saved it: this node's store and the index of every agent that answers."""
     namespace = await cluster.namespace(name)
-    indexes: list[Held] = [store.steps(name)]
+    own = local_index(store.shards(name), None)
+    indexes: list[Held] = [own.steps]
+    unused: list[Held] = [own.unused]
     for _, response in await cluster.fan_out("GET", agent_path(INTERNAL_INDEX_ROUTE, namespace=name)):
         index = peer_index(response)
         if index is not None:
             indexes.append(index.steps)
-    return complete_steps(namespace.num_ranks, indexes)
+            unused.append(index.unused)
+    steps = complete_steps(namespace.num_ranks, indexes)
+    return world_sizes(namespace.num_ranks, steps, unused)

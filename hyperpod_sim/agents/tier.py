@@ -81,6 +81,7 @@ from hyperpod_sim.contracts.agent_bodies import (
     FastLocation,
     FastReleased,
     FastReservation,
+    LatestSteps,
     LocalDeleted,
     LocalNamespaceDeleted,
     NamespaceAnswer,
@@ -607,10 +608,29 @@ class MemoryTier:
         return await catalog.cluster_complete_steps(self.cluster, self.store, name)
 
     async def latest(self, name: str, *, limit: int) -> list[int]:
+        """What the library asks: the newest steps saved at the namespace's own world size (its
+        ranks less the metadata rank), the only ones a job of its fixed world size can read; a
+        step saved by a job of another world size (the SDK's resharding) is never in it."""
+        namespace = await self.cluster.namespace(checked_namespace(name))
+        own = max(namespace.num_ranks - 1, 1)
+        sized = await self.latest_sizes(name, limit=limit, wanted=own)
+        return [step for step in sized.steps if sized.world_sizes[step] == own]
+
+    async def latest_sizes(self, name: str, *, limit: int, wanted: int | None = None) -> LatestSteps:
+        """The newest ``limit`` complete steps (in memory or on S3) of every world size, each with
+        the world size of the job that saved it (``wanted``: of that world size only)."""
         checked_namespace(name)
-        memory, durable = await asyncio.gather(self.complete_steps(name), self.s3.committed_steps(name))
-        steps = sorted(set(memory) | set(durable), reverse=True)
-        return steps[: max(limit, 0)]
+        memory, durable = await asyncio.gather(
+            catalog.cluster_steps(self.cluster, self.store, name), self.s3.committed_steps(name)
+        )
+        sizes: dict[int, int] = {}
+        for step in sorted(set(memory) | set(durable), reverse=True):
+            if len(sizes) >= max(limit, 0):
+                break
+            size = memory[step] if step in memory else await self.s3.step_world_size(name, step)
+            if size is not None and wanted in (None, size):
+                sizes[step] = size
+        return LatestSteps(steps=tuple(sizes), world_sizes=sizes)
 
     async def persist(self, name: str, step: int, request: PersistRequest) -> PersistAnswer:
         """A peer's request to upload the ranks of a step that this agent holds."""
@@ -631,8 +651,11 @@ class MemoryTier:
         except S3Unavailable as exc:
             raise TierError(503, "S3Unavailable", f"S3 cannot be listed: {exc}") from exc
         steps = sorted(written, reverse=True)
+        sizes = {step: await self.s3.step_world_size(name, step) for step in steps}
         return S3Steps(
-            steps=tuple(steps), trainer=tuple(s for s in steps if written[s] == WRITTEN_BY_TRAINER)
+            steps=tuple(steps),
+            trainer=tuple(s for s in steps if written[s] == WRITTEN_BY_TRAINER),
+            world_sizes={step: size for step, size in sizes.items() if size is not None},
         )
 
     async def local_shard(self, name: str, rank: str, step: str, *, checksum: str | None = None) -> ShardCopy:

@@ -48,6 +48,7 @@ from hyperpod_sim.contracts.agent_api import (
     INTERNAL_SHARD_ROUTE,
     OWNER_PARAMETER,
     SAVE_PARAMETER,
+    WORLD_SIZES_PARAMETER,
     AgentRoute,
     agent_route,
 )
@@ -255,6 +256,8 @@ class TierRoutes:
         name = parameters["namespace"]
         checked_namespace(name)
         limit = query_int(request, "limit", default=5)
+        if query_flag(request, WORLD_SIZES_PARAMETER):
+            return respond(await self.tier.latest_sizes(name, limit=limit))
         return respond(await self.tier.latest(name, limit=limit))
 
     async def _put_replica(self, request: Request, parameters: Parameters) -> Response:

@@ -87,6 +87,11 @@ class NodeView(BaseModel):
 
 class StepView(BaseModel):
     Step: int
+    WorldSize: int | None = Field(
+        default=None,
+        description="The world size of the job that saved the step, when it is not the namespace's "
+        "(NumRanks less the metadata rank): the SDK loads it resharded. Absent otherwise.",
+    )
     Memory: dict[str, str] = Field(description="Rank -> the node holding its primary copy.")
     Replica: dict[str, list[str]] = Field(description="Rank -> the nodes holding a replica.")
     S3: bool = Field(description="Committed on S3.")

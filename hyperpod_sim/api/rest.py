@@ -648,7 +648,9 @@ CHECKPOINTS_EXAMPLE = {
     "(`Replica`); whether the step is committed on S3 (`S3`: true or false once S3 was listed; "
     "null when it could not be, S3 being unreachable, with the reason in the namespace's `S3Error`); "
     "and whether it can be restored "
-    "(`Complete`: every rank is held in memory somewhere, or the step is on S3). The control plane "
+    "(`Complete`: every rank is held in memory somewhere, or the step is on S3). A step saved by a "
+    "job of another world size than the namespace's (`NumRanks` less the metadata rank; the SDK "
+    "loads it resharded) names that world size in `WorldSize`. The control plane "
     "asks the agent of every Running node, in parallel with a short timeout; agents that do not "
     "answer are left out of the view and named in `Unreachable`.",
     tags=["checkpointing"],

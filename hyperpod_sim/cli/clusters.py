@@ -391,6 +391,8 @@ def checkpoints(client: HyperPodClient, args: argparse.Namespace) -> int:
             print("  no steps")
             continue
         rows = []
+        # A step saved at another world size than the namespace's (resharding): a column says each's.
+        resharded = any("WorldSize" in step for step in namespace["Steps"])
         for step in namespace["Steps"]:
             memory = {int(r) for r in step.get("Memory", {})}
             replicas = {int(r) for r in step.get("Replica", {})}
@@ -398,6 +400,7 @@ def checkpoints(client: HyperPodClient, args: argparse.Namespace) -> int:
             rows.append(
                 [
                     step["Step"],
+                    *([step.get("WorldSize", max(ranks - 1, 1))] if resharded else []),
                     f"{len(memory)}/{ranks}",
                     f"{len(replicas)}/{ranks}",
                     "unknown" if step.get("S3") is None else "yes" if step["S3"] else "no",
@@ -405,7 +408,8 @@ def checkpoints(client: HyperPodClient, args: argparse.Namespace) -> int:
                     ranges(missing) if missing else None,
                 ]
             )
-        print(table(["STEP", "IN MEMORY", "REPLICAS", "ON S3", "COMPLETE", "NOT IN MEMORY"], rows))
+        headers = ["STEP", *(["WORLD SIZE"] if resharded else []), "IN MEMORY", "REPLICAS", "ON S3"]
+        print(table([*headers, "COMPLETE", "NOT IN MEMORY"], rows))
     unreachable = listing.get("Unreachable") or []
     if unreachable:
         print()

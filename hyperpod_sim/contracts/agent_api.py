@@ -167,6 +167,8 @@ INTERNAL_SAVES_ROUTE = "/v1/internal/saves/{namespace}/{step}"
 CHECKSUM_PARAMETER = "checksum"
 SAVE_PARAMETER = "save"  # of INTERNAL_SAVES_ROUTE and of FAST_COMMIT_ROUTE: the shard's save id
 OWNER_PARAMETER = "owner"  # of INTERNAL_REPLICA_ROUTE: the node whose shard the replica is
+# Of CP_LATEST_ROUTE (true: every world size, each named; the SDK asks it, never the library)
+WORLD_SIZES_PARAMETER = "world_sizes"
 
 
 class AgentApi(StrEnum):

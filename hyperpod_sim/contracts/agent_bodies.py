@@ -153,20 +153,37 @@ class FastReleased(AgentBody):
 
 class ShardIndex(AgentBody):
     """``GET /v1/internal/index/{namespace}``: the copies one agent holds, step -> ranks: ``steps``
-    every copy, ``primary`` the node's own shards, ``replica`` its copies of other nodes' shards."""
+    every copy, ``primary`` the node's own shards, ``replica`` its copies of other nodes' shards,
+    ``unused`` the copies that are ``shards.UNUSED_RANK`` (a step saved by fewer ranks than the
+    namespace holds: its world size is its lowest such rank)."""
 
     node_id: str | None = None
     steps: dict[int, tuple[int, ...]]
     primary: dict[int, tuple[int, ...]] = {}
     replica: dict[int, tuple[int, ...]] = {}
+    unused: dict[int, tuple[int, ...]] = {}
+
+
+class LatestSteps(AgentBody):
+    """``GET /v1/cp/checkpoints/{namespace}/latest?limit=N&world_sizes=true``: the steps that can
+    be loaded, newest first, whatever the world size of the job that saved each (``world_sizes``:
+    step -> that world size). Without ``world_sizes=true`` (the library's request) the answer is
+    the list of the steps saved at the namespace's own world size only."""
+
+    steps: tuple[int, ...]
+    world_sizes: dict[int, int]
 
 
 class S3Steps(AgentBody):
     """``GET /v1/internal/s3-steps/{namespace}``: the steps on S3, newest first; ``trainer`` those
-    the trainer wrote whole through the library (no commit marker)."""
+    the trainer wrote whole through the library (no commit marker); ``world_sizes`` each one's
+    saving world size."""
 
     steps: tuple[int, ...]
     trainer: tuple[int, ...] = ()
+    # step -> the world size of the job that saved it (from its marker; the namespace's for the
+    # library's own writes), where it could be told.
+    world_sizes: dict[int, int] = {}
 
 
 class ReplicaStored(AgentBody):

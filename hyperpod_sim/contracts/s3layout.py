@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyperpod_sim.contracts.policy import S3Policy
-from hyperpod_sim.contracts.shards import ALGORITHM
+from hyperpod_sim.contracts.shards import ALGORITHM, UNUSED_RANK_CHECKSUM, step_world_size
 
 CHECKSUM_META = "xxh3-128"  # the object metadata key of a shard's checksum
 MARKER_DIR = "_committed"
@@ -188,6 +188,15 @@ class CommitMarker:
             raise TypeError("not a commit marker")
         save = doc.get("save")
         return None if save is None else str(save)
+
+    @staticmethod
+    def world_size_of(raw: bytes) -> int:
+        """The world size of the job that saved the step a marker's bytes commit (its lowest rank
+        holding ``shards.UNUSED_RANK``, else its ranks less the metadata rank); ValueError,
+        KeyError or TypeError if they are not a marker."""
+        doc = json.loads(raw)
+        unused = (int(d["rank"]) for d in doc["shards"] if d["checksum"] == UNUSED_RANK_CHECKSUM)
+        return step_world_size(int(doc["num_ranks"]), unused)
 
     @staticmethod
     def shard_of(raw: bytes, rank: int) -> ShardObject | None:

@@ -14,6 +14,7 @@ import binascii
 import json
 import mmap
 import re
+from collections.abc import Iterable
 
 import xxhash
 
@@ -35,6 +36,20 @@ def checksum_of(data: Bytes) -> str:
     return base64.b64encode(xxhash.xxh3_128_digest(data)).decode("ascii")
 
 
+# What a step saved by a job of fewer ranks than its namespace holds keeps at the ranks that job
+# did not have (between its last rank and the metadata, the namespace's last rank), so that every
+# rank of the step is held: the SDK writes it, bound to the save like any shard. A step's world
+# size is its lowest rank holding this (``step_world_size``); it is never read as a shard.
+UNUSED_RANK = b"hpsim-unused-rank/1\n"
+
+
+def step_world_size(num_ranks: int, unused: Iterable[int]) -> int:
+    """The world size of the job that saved a step of a namespace of ``num_ranks`` ranks, the
+    ranks holding ``UNUSED_RANK`` being ``unused``: the lowest of them, else the namespace's
+    ranks less the metadata rank."""
+    return min(unused, default=max(num_ranks - 1, 1))
+
+
 class Checksum:
     """``checksum_of`` of bytes that come in pieces: ``update`` each, then ``text()``."""
 
@@ -46,6 +61,9 @@ class Checksum:
 
     def text(self) -> str:
         return base64.b64encode(self._hasher.digest()).decode("ascii")
+
+
+UNUSED_RANK_CHECKSUM = checksum_of(UNUSED_RANK)
 
 
 def shard_meta(checksum: str, save: str | None = None) -> str:

@@ -47,6 +47,7 @@ from hyperpod_sim.contracts.agent_api import (
     FAST_RESERVE_ROUTE,
     FAST_SHARD_ROUTE,
     SAVE_PARAMETER,
+    WORLD_SIZES_PARAMETER,
     agent_path,
 )
 from hyperpod_sim.contracts.agent_bodies import (
@@ -54,6 +55,7 @@ from hyperpod_sim.contracts.agent_bodies import (
     FastCommitted,
     FastLocation,
     FastReservation,
+    LatestSteps,
     NamespaceAnswer,
     SpareBuffer,
     problem_of,
@@ -291,10 +293,15 @@ class AgentClient:
             f"{what}: {response.status_code} {code}: {message}", status=response.status_code, code=code
         )
 
-    def ensure_namespace(self, namespace: str, *, num_ranks: int, steps_retained: int) -> NamespaceAnswer:
-        """The namespace, created if it does not exist; AgentError if it exists with another rank count."""
+    def ensure_namespace(
+        self, namespace: str, *, num_ranks: int, steps_retained: int, needs: int | None = None
+    ) -> NamespaceAnswer:
+        """The namespace, created with ``num_ranks`` ranks if it does not exist; AgentError if it
+        has fewer than ``needs`` (default ``num_ranks``): a job of any world size up to the
+        namespace's ranks less the metadata rank saves in it (docs/sdk.md#resharding)."""
+        needs = num_ranks if needs is None else needs
         known = self._namespaces.get(namespace)
-        if known is not None and known.num_ranks == num_ranks:
+        if known is not None and known.num_ranks >= needs:
             return known
         path = agent_path(CP_NAMESPACE_ROUTE, namespace=namespace)
         response = self._call("GET", path)
@@ -308,22 +315,49 @@ class AgentClient:
             raise self._fail(response, f"namespace {namespace!r}")
         doc = _parsed(NamespaceAnswer, response, f"namespace {namespace!r}")
         self._namespaces[namespace] = doc
-        if doc.num_ranks != num_ranks:
+        if doc.num_ranks < needs:
             raise AgentError(
-                f"namespace {namespace!r} has {doc.num_ranks} ranks (world size + 1 for the metadata), "
-                f"not {num_ranks}: use another namespace for another world size"
+                f"namespace {namespace!r} has {doc.num_ranks} ranks (its first job's world size + 1 for "
+                f"the metadata), fewer than the {needs} this job needs: a job saves in a namespace "
+                "made for at least its world size (TieredCheckpointConfig.max_world_size when it is "
+                "created), or in another namespace"
             )
         return doc
 
+    def namespace(self, namespace: str) -> NamespaceAnswer | None:
+        """The namespace as the agent knows it (its ranks: the metadata is the last), or None if
+        it does not exist; AgentError if the agent does not answer."""
+        known = self._namespaces.get(namespace)
+        if known is not None:
+            return known
+        response = self._call("GET", agent_path(CP_NAMESPACE_ROUTE, namespace=namespace))
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise self._fail(response, f"namespace {namespace!r}")
+        doc = _parsed(NamespaceAnswer, response, f"namespace {namespace!r}")
+        self._namespaces[namespace] = doc
+        return doc
+
     def latest(self, namespace: str, *, limit: int = 5) -> list[int]:
+        """The newest complete steps, newest first, whatever the world size that saved each."""
+        return list(self.latest_sizes(namespace, limit=limit))
+
+    def latest_sizes(self, namespace: str, *, limit: int = 5) -> dict[int, int]:
+        """The newest complete steps, newest first, each with the world size of the job that saved
+        it (``?world_sizes=true``; without it the agent answers the library's view: the steps of
+        the namespace's own world size only)."""
         response = self._call(
-            "GET", agent_path(CP_LATEST_ROUTE, namespace=namespace), params={"limit": limit}
+            "GET",
+            agent_path(CP_LATEST_ROUTE, namespace=namespace),
+            params={"limit": limit, WORLD_SIZES_PARAMETER: "true"},
         )
         if response.status_code == 404:
-            return []
+            return {}
         if response.status_code != 200:
             raise self._fail(response, "latest")
-        return [int(s) for s in response.json()]
+        doc = _parsed(LatestSteps, response, "latest")
+        return {step: doc.world_sizes[step] for step in doc.steps}
 
     def put(
         self,

@@ -75,15 +75,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Loaded:
-    """What ``load_latest`` loaded: the step, the tier that served each rank shard read, the
-    copies of that step it did not use and why (rank -> reasons), and the newer steps it tried
-    and skipped (step -> why)."""
+    """What ``load_latest`` loaded: the step, the tier that served each saved rank's shard read,
+    the copies of that step it did not use and why (rank -> reasons), the newer steps it tried
+    and skipped (step -> why), and the world size of the job that saved the step (another than
+    this job's: loaded resharded)."""
 
     step: int
     served_by: dict[int, str]
     seconds: float
     rejected: dict[int, list[str]] = field(default_factory=dict)
     skipped: dict[int, str] = field(default_factory=dict)
+    saved_world_size: int | None = None
 
 
 def load_latest(
@@ -132,6 +134,7 @@ def load_latest(
                 time.perf_counter() - started,
                 rejected={rank: list(reasons) for rank, reasons in reader.rejected.items()},
                 skipped=skipped,
+                saved_world_size=reader.saved_world_size,
             )
     raise CheckpointNotFound(
         f"no step of namespace {config.namespace!r} could be loaded (tried {candidates}): "

@@ -38,13 +38,17 @@ def client_for(url: str, *, fast_path: bool = True, shm_root: str | None = None)
 class TieredCheckpointConfig:
     """What ``SageMakerCheckpointConfig`` is to the library: the job's checkpoint namespace.
 
-    ``world_size``: ranks of the job (the namespace holds ``world_size + 1`` ranks: the metadata
-    is the last). ``agent_url``: this node's agent (default: from the environment, see
-    ``sdk.agent.discover_agent_url``). ``s3_tier_base_path``: the cluster's S3 base URI; when set,
-    a reader whose agent has no good copy reads committed steps from S3 directly. ``fast_path``:
-    write and read the agent's shared memory directly when it is reachable from this process.
-    ``shm_root``: the only directory whose files the fast path maps (default
-    ``HPSIM_SIMULATION__SHM_ROOT``, else ``/dev/shm/hpsim``; see ``sdk.agent.open_shared``).
+    ``world_size``: ranks of this job (a namespace it creates holds ``world_size + 1`` ranks: the
+    metadata is the last). A step saved by a job of another world size loads resharded into this
+    job's sharding; this job saves in the namespace when it has room for ``world_size`` ranks
+    (docs/sdk.md#resharding). ``max_world_size``: the most ranks a job of this namespace will
+    have, when it may grow: the namespace is created with room for them. ``agent_url``: this
+    node's agent (default: from the environment, see ``sdk.agent.discover_agent_url``).
+    ``s3_tier_base_path``: the cluster's S3 base URI; when set, a reader whose agent has no good
+    copy reads committed steps from S3 directly. ``fast_path``: write and read the agent's shared
+    memory directly when it is reachable from this process. ``shm_root``: the only directory
+    whose files the fast path maps (default ``HPSIM_SIMULATION__SHM_ROOT``, else
+    ``/dev/shm/hpsim``; see ``sdk.agent.open_shared``).
     """
 
     namespace: str
@@ -52,6 +56,7 @@ class TieredCheckpointConfig:
     agent_url: str | None = None
     s3_tier_base_path: str = ""
     steps_retained: int = 3
+    max_world_size: int | None = None
     fast_path: bool = True
     shm_root: str | None = None
     logger: logging.Logger | None = field(default=None, repr=False)
@@ -62,8 +67,10 @@ class TieredCheckpointConfig:
         )
 
     @property
-    def metadata_rank(self) -> int:
-        return self.world_size
+    def namespace_ranks(self) -> int:
+        """The ranks of a namespace this job creates: room for its world size (or
+        ``max_world_size``) and the metadata rank."""
+        return max(self.world_size, self.max_world_size or 0) + 1
 
 
 def step_of(checkpoint_id: str | os.PathLike[str] | None) -> int | None:

@@ -60,13 +60,35 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
         # The save the step's metadata commits (None: the library's metadata, which names none):
         # only its shards are used, by checksum, from whichever tier serves them.
         self.save: SaveRecord | None = None
+        # The world size of the job that saved the step read (known once its metadata is read):
+        # another than this job's, and the step loads resharded (DCP's planner maps the saved
+        # chunks onto this job's sharding; each rank reads only the saved shards it needs).
+        self.saved_world_size: int | None = None
+        self._namespace_ranks: int | None = None
+        # Bytes of saved shards this rank read (fetched, or mapped and verified) and bytes it
+        # needed of them (copied into its tensors, and its values' records): a resharded load
+        # reads only the saved ranks whose chunks overlap this rank's.
+        self.bytes_read = 0
+        self.bytes_needed = 0
+
+    def namespace_ranks(self) -> int:
+        """The namespace's ranks (the metadata is the last), as its agent says; this job's world
+        size + 1 when the agent cannot say (then only a step of this world size is found)."""
+        if self._namespace_ranks is None:
+            try:
+                answer = self._client.namespace(self.config.namespace)
+            except AgentError as exc:
+                log.warning("the agent did not say the ranks of %r: %s", self.config.namespace, exc)
+                answer = None
+            self._namespace_ranks = answer.num_ranks if answer is not None else self.config.world_size + 1
+        return self._namespace_ranks
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         candidates = (
             [self.step] if self.step is not None else self._client.latest(self.config.namespace, limit=10)
         )
         problems = []
-        rank = self.config.metadata_rank
+        rank = self.namespace_ranks() - 1
         for step in candidates:
             for data, tier in self._copies(rank, step, local=True):
                 try:
@@ -76,6 +98,7 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
                     continue
                 self.step = step
                 self.save = save
+                self.saved_world_size = save.world_size if save is not None else rank
                 return metadata
             problems.append(f"step {step}: {self._no_copy(rank, step)}")
         self.failure = (
@@ -140,6 +163,7 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
         if local is not None:
             where = f"{local.tier} (this node, mapped)"
             try:
+                self.bytes_read += len(local.view)
                 self._apply(items, local.view, planner, expected=local.checksum)
             except IntegrityError as exc:
                 self._reject(rank, step, where, str(exc))
@@ -152,6 +176,7 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
                 local.release()
         for data, tier in self._copies(rank, step, local=False, checksum=expected):
             try:
+                self.bytes_read += len(data)
                 self._apply(items, data, planner)
             except IntegrityError as exc:
                 self._reject(rank, step, tier, str(exc))
@@ -255,11 +280,13 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
             if target.size() != src.size():
                 raise ValueError(f"{fqn}: stored {tuple(src.size())}, wanted {tuple(target.size())}")
             target.copy_(src)
+            self.bytes_needed += target.numel() * target.element_size()
             planner.commit_tensor(item, target)
             del src
         del source
         for item, value in values:
             _assign(planner, item, value)
+        self.bytes_needed += sum(length for _, length in spans)
 
     def _copies(
         self, rank: int, step: int, *, local: bool, checksum: str | None = None
@@ -300,7 +327,7 @@ class TieredStorageReader(StepCheckpointIds, StorageReader):
                     self.config.namespace,
                     rank,
                     step,
-                    world_size=self.config.world_size,
+                    world_size=self.namespace_ranks() - 1,
                     checksum=checksum,
                 )
             except Exception as exc:  # S3 unreachable, a marker that is not one, ...

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from hyperpod_sim.contracts.shards import UNUSED_RANK
 from hyperpod_sim.sdk import metadata as codec
 from hyperpod_sim.sdk.agent import FastWrite, ReservationLost
 from hyperpod_sim.sdk.checkpoint_config import (
@@ -104,7 +105,7 @@ class TieredStorageWriter(StepCheckpointIds, StorageWriter, AsyncStager):
         self._client = checkpoint_config.client()
         self._staged: _Staged | None = None
         self._records: dict[str, bytes] = {}  # fqn -> its value's record, encoded when staged
-        self._namespace_ready = False
+        self._namespace_ranks: int | None = None  # the namespace's ranks, the metadata the last
         self.stage_seconds = 0.0  # how long stage() blocked (what async_save costs the trainer)
 
     # -- StorageWriter (reset and validate_checkpoint_id: StepCheckpointIds)
@@ -119,14 +120,18 @@ class TieredStorageWriter(StepCheckpointIds, StorageWriter, AsyncStager):
         self.rank = int(kwargs.get("rank", current_rank()))
         self._ensure_namespace()
 
-    def _ensure_namespace(self) -> None:
-        if not self._namespace_ready:
-            self._client.ensure_namespace(
+    def _ensure_namespace(self) -> int:
+        """The namespace's ranks (created with ``config.namespace_ranks`` if it does not exist);
+        AgentError if it has no room for this job's world size."""
+        if self._namespace_ranks is None:
+            answer = self._client.ensure_namespace(
                 self.config.namespace,
-                num_ranks=self.config.world_size + 1,
+                num_ranks=self.config.namespace_ranks,
                 steps_retained=self.config.steps_retained,
+                needs=self.config.world_size + 1,
             )
-            self._namespace_ready = True
+            self._namespace_ranks = answer.num_ranks
+        return self._namespace_ranks
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -367,11 +372,20 @@ class TieredStorageWriter(StepCheckpointIds, StorageWriter, AsyncStager):
         saves = {stamp.save for stamp in stamps}
         if len(saves) != 1 or len({s.rank for s in stamps}) != len(stamps):
             raise RuntimeError(f"the ranks' shards do not name one save of step {self.step}: {sorted(saves)}")
+        world_size = len(stamps)
+        if {s.rank for s in stamps} != set(range(world_size)):
+            raise RuntimeError(f"the shards of step {self.step} are not of ranks 0..{world_size - 1}")
         save = SaveRecord(saves.pop(), tuple(sorted(stamps, key=lambda s: s.rank)))
         metadata.storage_data = storage
+        # The metadata is the namespace's last rank, whatever this job's world size; the ranks
+        # between this job's last and the metadata get a placeholder of this save, so the step
+        # is complete for the agents (every rank of the namespace held) and on S3 like any other.
+        metadata_rank = self._ensure_namespace() - 1
+        for rank in range(world_size, metadata_rank):
+            self._client.put(self.config.namespace, rank, self.step, UNUSED_RANK, save=save.id)
         self._client.put(
             self.config.namespace,
-            self.config.metadata_rank,
+            metadata_rank,
             self.step,
             codec.encode(metadata, save=save),
             save=save.id,

@@ -71,6 +71,11 @@ class SaveRecord:
     id: str
     shards: tuple[ShardStamp, ...]
 
+    @property
+    def world_size(self) -> int:
+        """The ranks of the job that saved the step (its shards are ranks 0..world_size-1)."""
+        return len(self.shards)
+
     def checksum_of(self, rank: int) -> str | None:
         return next((s.checksum for s in self.shards if s.rank == rank), None)
 

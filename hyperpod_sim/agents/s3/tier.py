@@ -557,6 +557,27 @@ class S3Tier:
         keys = await self._run(lambda: list(objects.keys(target.bucket, target.namespace_prefix(name))))
         return s3reads.written_steps(target, name, keys, world_size)
 
+    async def step_world_size(self, name: str, step: int) -> int | None:
+        """The world size of the job that saved a step on S3: its marker's (``CommitMarker.
+        world_size_of``), the namespace's for a step the library wrote itself; None when that
+        cannot be told (no target, S3 unreachable, a marker that is not one)."""
+        target = self.target
+        if target is None:
+            return None
+        try:
+            objects = await self._client(target)
+            raw = await self._run(lambda: objects.get(target.bucket, target.marker_key(name, step)))
+        except S3Unavailable as exc:
+            log.warning("cannot read the marker of step %d of %r: %s", step, name, exc)
+            return None
+        if raw is None:  # the library's own write: its job's world size (1 in a one-rank namespace)
+            size = await self._world_size(name)
+            return 1 if size is None else size
+        try:
+            return CommitMarker.world_size_of(raw)
+        except (ValueError, KeyError, TypeError):
+            return None
+
     async def _world_size(self, name: str) -> int | None:
         """The trainer's world size of a namespace the control plane knows (its ranks less the
         metadata rank), or None."""

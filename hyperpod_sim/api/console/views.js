@@ -181,7 +181,9 @@ export function checkpointMap(namespaces, unreachable) {
           h("tbody", {}, ns.Steps.map((step) => h("tr", {
             class: step.Step === newest ? "newest" : "", "data-step": step.Step,
             "data-complete": step.Complete },
-          h("th", { scope: "row" }, step.Step, step.Step === newest ? h("span", { class: "star" }, " ★ newest complete") : null),
+          h("th", { scope: "row" }, step.Step,
+            step.WorldSize ? h("span", { class: "muted world-size" }, ` · saved by ${step.WorldSize} ranks`) : null,
+            step.Step === newest ? h("span", { class: "star" }, " ★ newest complete") : null),
           h("td", {}, step.Complete ? "✓ yes" : "✗ no"),
           s3Cell(step),
           ranks.map((r) => cell(step, r))))))));

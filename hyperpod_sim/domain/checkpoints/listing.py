@@ -18,7 +18,7 @@ was listed and does not hold the step.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import select
@@ -27,6 +27,7 @@ from sqlalchemy.orm import selectinload
 from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, INTERNAL_S3_STEPS_ROUTE, agent_path
 from hyperpod_sim.contracts.agent_bodies import S3Steps, ShardIndex
 from hyperpod_sim.contracts.s3layout import WRITTEN_BY_AGENTS, WRITTEN_BY_TRAINER
+from hyperpod_sim.contracts.shards import step_world_size
 from hyperpod_sim.domain.checkpoints.agent_client import AgentConnection, AgentUnreachable
 from hyperpod_sim.domain.checkpoints.cluster_policy import CheckpointPolicy
 from hyperpod_sim.domain.checkpoints.node_policy import ring
@@ -56,10 +57,17 @@ class StepLocation:
     on_s3: bool | None
     complete: bool  # every rank held in memory somewhere, or on S3
     s3_written_by: str | None = None  # "Agents" or "Trainer" (the library's own S3 writes), when on S3
+    # The world size of the job that saved the step (a step saved by fewer ranks than the
+    # namespace holds keeps contracts.shards.UNUSED_RANK at the others); None when unknown.
+    world_size: int | None = None
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self, own_world_size: int | None = None) -> dict[str, Any]:
+        """The step on the wire; ``WorldSize`` only for a step saved at another world size than
+        ``own_world_size`` (the namespace's ranks less the metadata rank)."""
+        other = self.world_size is not None and self.world_size != own_world_size
         return {
             "Step": self.step,
+            **({"WorldSize": self.world_size} if other else {}),
             "Memory": {str(rank): node for rank, node in sorted(self.memory.items())},
             "Replica": {str(rank): nodes for rank, nodes in sorted(self.replica.items())},
             "S3": self.on_s3,
@@ -83,7 +91,7 @@ class NamespaceCheckpoints:
             "NumRanks": self.num_ranks,
             "StepsRetained": self.steps_retained,
             **({"S3Error": self.s3_error} if self.s3_error is not None else {}),
-            "Steps": [step.to_wire() for step in self.steps],
+            "Steps": [step.to_wire(max(self.num_ranks - 1, 1)) for step in self.steps],
         }
 
 
@@ -114,6 +122,7 @@ class _S3Listing:
 
     steps: dict[int, str]
     error: str | None = None
+    world_sizes: dict[int, int] = field(default_factory=dict)
 
 
 def _locate(
@@ -122,7 +131,10 @@ def _locate(
     """Merge the agents' indexes (in ring order: the first holder of a primary copy is named)."""
     memory: dict[int, dict[int, str]] = {}
     replica: dict[int, dict[int, list[str]]] = {}
+    unused: dict[int, set[int]] = {}
     for node_id, index in indexes:
+        for step, ranks in index.unused.items():
+            unused.setdefault(step, set()).update(ranks)
         for step, ranks in index.primary.items():
             for rank in ranks:
                 memory.setdefault(step, {}).setdefault(rank, node_id)
@@ -143,6 +155,11 @@ def _locate(
                 on_s3=on_s3,
                 complete=on_s3 is True or everyone <= held,
                 s3_written_by=s3_steps.get(step),
+                world_size=(
+                    step_world_size(namespace.num_ranks, unused.get(step, ()))
+                    if held
+                    else s3.world_sizes.get(step)
+                ),
             )
         )
     return NamespaceCheckpoints(
@@ -238,7 +255,8 @@ class CheckpointCatalog:
                         {
                             step: WRITTEN_BY_TRAINER if step in trainer else WRITTEN_BY_AGENTS
                             for step in listed.steps
-                        }
+                        },
+                        world_sizes=dict(listed.world_sizes),
                     )
                 problems.append(f"{answer.status} {_message(answer.json())}")
             except AgentUnreachable as exc:
