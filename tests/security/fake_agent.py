@@ -62,8 +62,12 @@ class FakeAgent:
             case "GET", ["v1", "cp", "checkpoints", ns, "latest"]:
                 ranks = self.namespaces[ns]["num_ranks"]
                 steps = {s for (n, _, s) in self.shards if n == ns}
-                complete = [s for s in steps if all((ns, r, s) in self.shards for r in range(ranks))]
-                return 200, sorted(complete, reverse=True)
+                complete = sorted(
+                    (s for s in steps if all((ns, r, s) in self.shards for r in range(ranks))), reverse=True
+                )
+                if query.get("world_sizes") == ["true"]:  # the SDK's request: each step's world size
+                    return 200, {"steps": complete, "world_sizes": dict.fromkeys(complete, ranks - 1)}
+                return 200, complete
             case "POST", ["v1", "cp", "checkpoints", ns, rank, step]:
                 self.shards[(ns, int(rank), int(step))] = body
                 return 200, {"size": len(body)}
