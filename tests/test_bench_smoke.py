@@ -1,4 +1,4 @@
-"""The benchmark scripts still run: ``bench/run_all.py`` over all six with small sizes, and
+"""The benchmark scripts still run: ``bench/run_all.py`` on each of its six with small sizes, and
 ``bench/agent_http.py`` (the agents' HTTP server against the loopback ceiling, docs/decisions/0001)
 with a 4 MiB body.
 
@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SMALL = {
@@ -27,19 +29,31 @@ SMALL = {
 }
 
 
-def test_every_benchmark_runs_and_measures_its_targets(tmp_path: Path) -> None:
-    command = [sys.executable, str(ROOT / "bench" / "run_all.py"), "--results", str(tmp_path)]
-    for name, options in SMALL.items():
-        command += ["--args", f"{name}={options}"]
+def test_the_smoke_runs_every_benchmark_of_run_all(tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "bench" / "run_all.py"), "--results", str(tmp_path), "--dry-run"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    commands = [line.split() for line in result.stdout.splitlines() if line.startswith(sys.executable)]
+    scripts = {Path(command[1]).stem for command in commands}
+    assert scripts == set(SMALL)
+
+
+# One test a benchmark (run_all.py --only): the xdist workers run them side by side, where one test
+# of all six was the suite's longest (about 150 s) and often its last.
+@pytest.mark.parametrize("name", list(SMALL))
+def test_each_benchmark_runs_and_measures_its_targets(tmp_path: Path, name: str) -> None:
+    command = [
+        *(sys.executable, str(ROOT / "bench" / "run_all.py"), "--results", str(tmp_path)),
+        *("--only", name, "--args", f"{name}={SMALL[name]}"),
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = json.loads((tmp_path / "table.json").read_text())["rows"]
-    assert {row["benchmark"] for row in rows} == set(SMALL), rows
+    assert {row["benchmark"] for row in rows} == {name}, rows
     unmeasured = [row for row in rows if not isinstance(row.get("value"), int | float)]
     assert not unmeasured, unmeasured
-    for name in SMALL:
-        report = json.loads((tmp_path / f"{name}.json").read_text())
-        assert report["target_ratios"], name
+    report = json.loads((tmp_path / f"{name}.json").read_text())
+    assert report["target_ratios"], name
 
 
 def test_the_agent_http_benchmark_runs_and_measures_every_cell(tmp_path: Path) -> None:
