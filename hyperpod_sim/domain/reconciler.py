@@ -468,11 +468,11 @@ class Reconciler:
 
     def _back_since(self) -> datetime:
         """Since when the control plane could hear its agents: silence before does not count
-        against a node (the database's last failure or stall, when heartbeats were refused or could
-        not be recorded, now while a statement waits for its answer, the epoch if it never failed;
-        this control plane's start, before which nobody was there to hear). On this reconciler's
-        clock: the database says how long ago, never when by the wall clock, which an injected
-        clock (a test's) does not follow."""
+        against a node. The later of the database's last failure or stall (heartbeats were refused
+        or could not be recorded; now while a statement waits for its answer) and this control
+        plane's start (nobody was there to hear before). On this reconciler's clock: the database
+        says how long ago, never when by the wall clock, which an injected clock (a test's) does
+        not follow."""
         ago = self.db.unavailable_ago()
         if ago is None:
             return self._up_since
