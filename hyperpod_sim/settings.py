@@ -78,7 +78,17 @@ class ProvisioningSettings(BaseModel):
     )
     heartbeat_interval_s: float = Field(default=1.0, gt=0, description="How often agents heartbeat.")
     heartbeat_timeout_s: float = Field(
-        default=10.0, gt=0, description="A Running node whose agent is silent this long has failed."
+        default=10.0,
+        gt=0,
+        description="A Running node whose agent is silent this long has failed (longer past "
+        "heartbeat_full_rate_nodes agents: at least 5 heartbeat intervals).",
+    )
+    heartbeat_full_rate_nodes: int = Field(
+        default=64,
+        ge=1,
+        description="Agents (of every cluster) that all heartbeat every heartbeat_interval_s; past "
+        "it each agent's interval grows in proportion, so the control plane hears as many "
+        "heartbeats a second at any size (1,024 nodes: every 16 s).",
     )
     launch_timeout_s: float = Field(
         default=120.0, gt=0, description="A node whose agent has not registered by then has failed."

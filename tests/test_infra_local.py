@@ -26,7 +26,6 @@ def provisioner(tmp_path: Path, url: str = "http://127.0.0.1:1") -> LocalProvisi
         command=SLEEPER,
         control_plane_url=url,
         data_dir=tmp_path / "data",
-        heartbeat_interval_s=1.0,
         shm_root=tmp_path / "shm",
         kill_grace_s=5.0,
     )

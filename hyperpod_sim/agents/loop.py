@@ -25,6 +25,8 @@ from hyperpod_sim.contracts.agent_bodies import S3TierStatus
 log = logging.getLogger("hyperpod_sim.agents.loop")
 
 Sleep = Callable[[float], Awaitable[None]]
+# The longest heartbeat interval adopted from an answer (a larger one is off the contract).
+MAX_ADOPTED_INTERVAL_S = 3600.0
 # What each heartbeat reports as the node's S3 tier (its `s3` member); None: no S3 tier.
 StatusProvider = Callable[[], S3TierStatus | None]
 
@@ -62,7 +64,7 @@ class AgentLoop:
         self._client = client
         self._identity = identity
         self._token = token  # the node's launch secret with a node id, the bootstrap token without
-        self._interval_s = heartbeat_interval_s
+        self._interval_s = state.heartbeat_interval_s = heartbeat_interval_s
         self._adopt_interval = adopt_control_plane_interval
         self._backoff = backoff
         self._permanent_retry_s = permanent_retry_s
@@ -142,10 +144,22 @@ class AgentLoop:
             await self._failed("heartbeat", bad)
             return None
         self._recovered("heartbeat")
+        self._adopt(reply.body.get("heartbeat_interval_s"))
         if desired > state.applied_generation and not await self.pull():
             return None  # pull() waited already
         await self._sleep(self._interval_s)
         return None
+
+    def _adopt(self, interval: object) -> None:
+        """The interval the control plane answered (at registration, and at every heartbeat: it
+        grows with the number of agents), unless this agent's was set explicitly."""
+        if (
+            self._adopt_interval
+            and isinstance(interval, int | float)
+            and not isinstance(interval, bool)
+            and 0 < interval <= MAX_ADOPTED_INTERVAL_S
+        ):
+            self._interval_s = self._state.heartbeat_interval_s = float(interval)
 
     def _s3_status(self) -> S3TierStatus | None:
         """The status provider's answer; a failing provider costs the report, not the heartbeat."""
@@ -189,14 +203,7 @@ class AgentLoop:
             if not isinstance(value, str) or not value:
                 return f"the registration answer has no {member}"
             tokens[member] = SecretStr(value)
-        interval = body.get("heartbeat_interval_s")
-        if (
-            self._adopt_interval
-            and isinstance(interval, int | float)
-            and not isinstance(interval, bool)
-            and interval > 0
-        ):
-            self._interval_s = float(interval)
+        self._adopt(body.get("heartbeat_interval_s"))
         state.mark_registered(node_id=node_id, **tokens)
         log.info("registered as node %s of cluster %s", node_id, state.cluster)
         policy = body.get("policy")

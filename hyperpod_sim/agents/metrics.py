@@ -75,6 +75,12 @@ def agent_metrics(state: AgentState) -> list[Metric]:
             value=int(state.registered),
         ),
         Metric(
+            name="hpsim_agent_heartbeat_interval_seconds",
+            kind="gauge",
+            help="Seconds between heartbeats: the control plane's answer, longer in a large cluster.",
+            value=state.heartbeat_interval_s,
+        ),
+        Metric(
             name="hpsim_agent_heartbeats_total",
             kind="counter",
             help="Heartbeats the control plane answered.",

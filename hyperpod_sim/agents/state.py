@@ -80,6 +80,7 @@ class AgentState:
     control_plane_token: SecretStr | None = None
     registered: bool = False
     policy: NodePolicy | None = None
+    heartbeat_interval_s: float = 0.0  # the one in force (the agent loop's)
     counters: Counters = field(default_factory=Counters)
     listeners: list[PolicyListener] = field(default_factory=list)
 

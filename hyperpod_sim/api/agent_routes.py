@@ -71,6 +71,11 @@ class Registered(BaseModel):
 
 class HeartbeatAnswer(BaseModel):
     desired_generation: int = Field(examples=[3])
+    heartbeat_interval_s: float = Field(
+        examples=[1.0],
+        description="Seconds until the next heartbeat: the configured interval, longer past "
+        "HPSIM_PROVISIONING__HEARTBEAT_FULL_RATE_NODES agents (docs/nodes.md, Heartbeats at scale).",
+    )
 
 
 class EventRecorded(BaseModel):

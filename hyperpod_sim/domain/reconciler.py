@@ -27,12 +27,20 @@ from hyperpod_sim.domain import operation_records as operations
 from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
 from hyperpod_sim.domain.checkpoints.pushes import PolicyPusher, PushConfig, claim_pushes
 from hyperpod_sim.domain.clock import Clock, Ids
-from hyperpod_sim.domain.lifecycle import LEAVING, ClusterStatus, GroupStatus, NodeStatus, bump_generation
+from hyperpod_sim.domain.lifecycle import (
+    LEAVING,
+    LIVE,
+    ClusterStatus,
+    GroupStatus,
+    NodeStatus,
+    bump_generation,
+)
 from hyperpod_sim.domain.node_operations import health_checks, software_update
 from hyperpod_sim.domain.node_operations import reboot_replace as node_operations
 from hyperpod_sim.domain.nodes import recovery
 from hyperpod_sim.domain.nodes.health import NodeHealth
 from hyperpod_sim.domain.nodes.node_set import NO_ADDRESSES, NodeAddresses, new_node
+from hyperpod_sim.domain.nodes.pacing import HeartbeatPacing
 from hyperpod_sim.domain.outcome import Outcome
 from hyperpod_sim.domain.provisioning import Provisioner
 from hyperpod_sim.models import Cluster, Database, InstanceGroup, Node, Tag
@@ -61,6 +69,10 @@ class ReconcilerConfig:
     replace_limit: int = 3
     # Where new nodes' addresses come from (hyperpod_sim/domain/nodes/node_set.py).
     addresses: NodeAddresses = NO_ADDRESSES
+    # Heartbeats: the configured interval, and how many agents all heartbeat at it
+    # (hyperpod_sim/domain/nodes/pacing.py).
+    heartbeat_interval_s: float = 1.0
+    heartbeat_full_rate_nodes: int = 64
 
 
 class Reconciler:
@@ -94,10 +106,16 @@ class Reconciler:
                 s3_endpoint=config.s3_endpoint,
             ),
         )
+        # Shared with the agents' service, which answers each agent its interval.
+        self.pacing = HeartbeatPacing(
+            interval_s=config.heartbeat_interval_s,
+            timeout_s=config.heartbeat_timeout_s,
+            full_rate_nodes=config.heartbeat_full_rate_nodes,
+        )
         self.health = NodeHealth(
             ids=ids,
             provisioner=provisioner,
-            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            pacing=self.pacing,
             launch_timeout_s=config.launch_timeout_s,
             node_ready_delay_s=config.node_ready_delay_s,
             restart_agents=config.restart_agents,
@@ -199,7 +217,10 @@ class Reconciler:
         if not self._adopted:
             self._adopt_agents()
         due: datetime | None = None
-        for cluster_id in self.pending_cluster_ids():
+        cluster_ids = self.pending_cluster_ids()
+        if self.provisioner.uses_agents:  # every cluster is listed: those not listed are gone
+            self.pacing.retain(cluster_ids)
+        for cluster_id in cluster_ids:
             for _ in range(100):  # a pass per status step; bounded in case of a bug
                 try:
                     outcome = self.reconcile(cluster_id)
@@ -226,8 +247,10 @@ class Reconciler:
                 .with_for_update(skip_locked=True)
             ).one_or_none()
             if cluster is None:  # gone, or another control plane holds it
+                self.pacing.count(cluster_id, 0)
                 return Outcome()
             outcome = self.step(session, cluster)
+            self.pacing.count(cluster_id, sum(1 for n in cluster.nodes if n.endpoint and n.status in LIVE))
         if outcome.launches or cluster_id in self._unlaunched:
             self._launch_agents(cluster_id, outcome.launches)
             outcome.again = outcome.changed = True

@@ -107,7 +107,6 @@ class LocalProvisioner:
     command: Sequence[str]
     control_plane_url: str
     data_dir: Path
-    heartbeat_interval_s: float
     shm_root: Path = Path("/dev/shm/hpsim")
     kill_grace_s: float = 60.0
     # Variables every agent gets on top of what it inherits (agent_environment): the credentials of
@@ -150,7 +149,6 @@ class LocalProvisioner:
             *("--instance-type", node.instance_type),
             *("--data-dir", str(agent_dir)),
             *("--shm-dir", str(self.shm_dir(node.id))),
-            *("--heartbeat-interval", str(self.heartbeat_interval_s)),
         ]
         if node.address is not None:  # the loopback network: the node's address, HyperPod's port
             argv += ["--host", node.address, "--port", str(AGENT_PORT)]
@@ -439,7 +437,6 @@ def make_provisioner(
     command: Sequence[str],
     control_plane_url: str,
     data_dir: Path,
-    heartbeat_interval_s: float,
     shm_root: Path,
     kill_grace_s: float,
     agent_env: Mapping[str, str] | None = None,
@@ -453,7 +450,6 @@ def make_provisioner(
         command=command,
         control_plane_url=control_plane_url,
         data_dir=data_dir,
-        heartbeat_interval_s=heartbeat_interval_s,
         shm_root=shm_root,
         kill_grace_s=kill_grace_s,
         agent_env=dict(agent_env or {}),

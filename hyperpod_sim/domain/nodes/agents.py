@@ -35,13 +35,14 @@ from hyperpod_sim.domain.events import Level
 from hyperpod_sim.domain.lifecycle import LEAVING, LIVE, NodeStatus
 from hyperpod_sim.domain.nodes import credentials, recovery
 from hyperpod_sim.domain.nodes.agent_inputs import check_endpoint, check_s3_status, endpoint_address
+from hyperpod_sim.domain.nodes.pacing import HeartbeatPacing
 from hyperpod_sim.domain.service import DomainService
 from hyperpod_sim.models import CheckpointNamespace, Cluster, Node
 
 
 @dataclass(frozen=True)
 class AgentConfig:
-    heartbeat_interval_s: float
+    pacing: HeartbeatPacing  # each agent's heartbeat interval, answered at registration and heartbeats
     memory_scale: float
     s3_endpoint: S3Endpoint
     # The control plane starts every node's agent itself (local provisioner): those register with
@@ -226,7 +227,7 @@ class AgentService(DomainService):
                 "node_token": node_token,
                 "control_plane_token": control_plane_token,
                 "cluster_token": cluster.token,
-                "heartbeat_interval_s": self.config.heartbeat_interval_s,
+                "heartbeat_interval_s": self.config.pacing.interval(),
                 "policy": self.policy_for(cluster, node),
             }
         self.on_change()
@@ -352,7 +353,7 @@ class AgentService(DomainService):
             desired = cluster.generation
         if wake:
             self.on_change()
-        return {"desired_generation": desired}
+        return {"desired_generation": desired, "heartbeat_interval_s": self.config.pacing.interval()}
 
     def record_event(
         self, *, cluster_name: str, node_id: str | None, token: str | None, level: str, message: str

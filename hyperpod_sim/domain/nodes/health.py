@@ -18,6 +18,7 @@ from hyperpod_sim.domain.events import Level
 from hyperpod_sim.domain.lifecycle import LEAVING, GroupStatus, NodeStatus, bump_generation
 from hyperpod_sim.domain.nodes import credentials, recovery
 from hyperpod_sim.domain.nodes.node_set import NO_ADDRESSES, NodeAddresses, fail_node, new_node
+from hyperpod_sim.domain.nodes.pacing import HeartbeatPacing
 from hyperpod_sim.domain.outcome import Outcome
 from hyperpod_sim.domain.provisioning import Provisioner
 from hyperpod_sim.models import Cluster, Node
@@ -36,7 +37,7 @@ _HEARD = (NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.ATTACH_IN_PROGRESS)
 class NodeHealth:
     ids: Ids
     provisioner: Provisioner
-    heartbeat_timeout_s: float
+    pacing: HeartbeatPacing  # the heartbeat timeout, grown with the number of agents
     launch_timeout_s: float
     node_ready_delay_s: float
     restart_agents: bool
@@ -183,7 +184,8 @@ class NodeHealth:
     ) -> str | None:
         """Why a Pending or Running node fails for its agent's silence, or None (then when it is
         due to be looked at again is noted)."""
-        heartbeat_timeout = timedelta(seconds=self.heartbeat_timeout_s)
+        timeout_s = self.pacing.timeout()
+        heartbeat_timeout = timedelta(seconds=timeout_s)
         launch_timeout = timedelta(seconds=self.launch_timeout_s)
         restarted = node.agent_restarted_at
         last_heartbeat = node.last_heartbeat
@@ -200,7 +202,7 @@ class NodeHealth:
             reason = f"its agent {why}, but did not register within {self.launch_timeout_s:g} s"
         elif last_heartbeat is not None:
             deadline = max(last_heartbeat, back) + heartbeat_timeout
-            reason = f"no heartbeat from its agent for {self.heartbeat_timeout_s:g} s"
+            reason = f"no heartbeat from its agent for {timeout_s:g} s"
         else:
             deadline = max(node.launch_time, back) + launch_timeout
             reason = f"its agent did not register within {self.launch_timeout_s:g} s"

@@ -1,0 +1,451 @@
+"""Scale benchmark: one cluster of 8, 64, 256 and 1,024 nodes, each node a real agent process.
+
+Usage::
+
+    python bench/scale.py [--sizes 8,64,256,1024] [--idle-s 20] [--latest-calls 30]
+        [--rollouts 3] [--json out.json]
+
+``hyperpod-sim serve`` runs as a subprocess on a free loopback port with a fresh data dir
+(SQLite), the ``local`` provisioner and its embedded S3 (SeaweedFS), with the settings a user
+running 1,024 nodes sets (README, "A large cluster"): only the per-cluster instance limit is
+raised. Heartbeat intervals, timeouts and everything else stay at their defaults.
+
+For each size N, one size at a time, with nothing else of the run alive:
+
+1. **create**: CreateCluster of one group of N nodes, tiered storage at 20 %; the time from just
+   before the call until DescribeCluster says ``InService`` (N agents started and registered).
+2. **memory**: the PSS (``/proc/<pid>/smaps_rollup``) summed over serve and every process below
+   it (the node agents, their launcher, the embedded S3), after the cluster has been idle 5 s.
+3. **idle CPU**: the CPU time of that process tree over ``--idle-s`` seconds with nothing asked of
+   it (heartbeats, timers, the reconciler), in cores.
+4. **rollout**: UpdateCluster changing ``InstanceMemoryAllocationPercentage``, until the cluster is
+   ``InService`` again (every node has acknowledged the new policy); the median of ``--rollouts``.
+5. **latest**: one step saved through the library's protocol (a namespace of N + 1 ranks; each
+   node's agent gets its rank's 4 KiB shard, node 0's the metadata rank's), then
+   ``GET /v1/cp/checkpoints/{ns}/latest`` through node 0's agent ``--latest-calls`` times in a row:
+   p50, p90 and the worst. Every answer must name the step.
+6. DeleteCluster, until the cluster is gone and every agent process of it has exited.
+
+Ratios judged, from one run: ``latest`` p50 at the largest size over the smallest (target <= 2x),
+rollout at the largest size over the smallest (<= 20x), memory of everything at the largest size
+over 8 GiB (<= 1x), idle CPU at the largest size over half a core (<= 1x), InService time at the
+largest size over 20 minutes (<= 1x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import http.client
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.common, as bench/x.py too
+
+from bench.common import MIB, Server, int_list_option, poll, progress, table, with_notes
+from bench.runner import (
+    EXECUTION_ROLE,
+    INSTANCE_TYPE,
+    LIFECYCLE,
+    ORCHESTRATOR,
+    BenchRun,
+    Cell,
+    Target,
+    finish,
+)
+
+DEFAULT_SIZES = (8, 64, 256, 1024)
+FIRST_PERCENTAGE = 20
+SHARD_BYTES = 4096
+SETTLE_S = 5.0
+MEMORY_TARGET_BYTES = 8 * 1024 * MIB
+IDLE_CPU_TARGET_CORES = 0.5
+IN_SERVICE_TARGET_S = 20 * 60.0
+
+# What a user running 1,024 nodes sets (README): the instance limit. Nothing else.
+SETTINGS = {
+    "HPSIM_PROVISIONING__MODE": "local",
+    "HPSIM_LIMITS__MAX_INSTANCES_PER_CLUSTER": "1024",
+}
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc/<pid>/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rpartition(")")[2].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    return children
+
+
+def tree(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    children = _children()
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def pss_bytes(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def cpu_ticks(pids: list[int]) -> dict[int, int]:
+    ticks = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+    return ticks
+
+
+def agent_pids(data_dir: Path, node_ids: list[str]) -> list[int]:
+    """The agent processes of ``node_ids``, from the pidfiles the provisioner writes."""
+    from hyperpod_sim.infra.processes import Pidfile
+
+    pids = []
+    for node_id in node_ids:
+        pidfile = Pidfile.read(data_dir / "agents" / node_id)
+        if pidfile is None or not pidfile.alive():
+            raise RuntimeError(f"node {node_id} has no running agent")
+        pids.append(pidfile.pid)
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# ---------------------------------------------------------------------- the agents' protocol
+
+
+class Agent:
+    """One keep-alive connection to an agent's library API."""
+
+    def __init__(self, endpoint: str) -> None:
+        parts = urlsplit(endpoint)
+        self.conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=120)
+
+    def call(
+        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        self.conn.request(method, path, body=body, headers=headers or {})
+        response = self.conn.getresponse()
+        return response.status, response.read()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def shard_meta(data: bytes) -> str:
+    import xxhash
+
+    return json.dumps(
+        {"checksum": base64.b64encode(xxhash.xxh3_128(data).digest()).decode(), "algorithm": "xxh3_128"}
+    )
+
+
+def save_step(endpoints: list[str], namespace: str, step: int) -> None:
+    """One step of ``len(endpoints)`` ranks and the metadata rank, each rank through its node's agent."""
+    ranks = len(endpoints)
+    first = Agent(endpoints[0])
+    try:
+        status, body = first.call(
+            "POST", f"/v1/cp/namespaces/{namespace}?num_ranks={ranks + 1}&steps_retained=1"
+        )
+        if status != 201:
+            raise RuntimeError(f"namespace creation: {status} {body[:300]!r}")
+    finally:
+        first.close()
+
+    def one(rank: int) -> None:
+        data = os.urandom(SHARD_BYTES)
+        agent = Agent(endpoints[rank % ranks])
+        try:
+            status, body = agent.call(
+                "POST",
+                f"/v1/cp/checkpoints/{namespace}/{rank}/{step}",
+                body=data,
+                headers={"Shard-Meta": shard_meta(data), "Content-Type": "application/octet-stream"},
+            )
+        finally:
+            agent.close()
+        if status != 200:
+            raise RuntimeError(f"rank {rank}: {status} {body[:300]!r}")
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(ranks + 1)))
+
+
+def latest_times(endpoint: str, namespace: str, step: int, calls: int) -> list[float]:
+    agent = Agent(endpoint)
+    times = []
+    try:
+        # The first answer may wait for replicas and reports to settle; it must name the step.
+        def listed() -> bool | None:
+            status, body = agent.call("GET", f"/v1/cp/checkpoints/{namespace}/latest?limit=1")
+            return True if status == 200 and step in json.loads(body) else None
+
+        poll(listed, 120.0, 0.2, lambda: TimeoutError(f"latest never listed step {step}"))
+        for _ in range(calls):
+            started = time.perf_counter()
+            status, body = agent.call("GET", f"/v1/cp/checkpoints/{namespace}/latest?limit=1")
+            times.append(time.perf_counter() - started)
+            if status != 200 or json.loads(body) != [step]:
+                raise RuntimeError(f"latest answered {status} {body[:300]!r}")
+    finally:
+        agent.close()
+    return times
+
+
+# ---------------------------------------------------------------------- one size
+
+
+@dataclass
+class Row:
+    nodes: int
+    create_s: float
+    pss_total_mib: float
+    pss_per_node_mib: float
+    processes: int
+    idle_cpu_cores: float
+    idle_serve_cores: float
+    idle_agents_cores: float
+    rollout_s: float
+    latest_p50_ms: float
+    latest_p90_ms: float
+    latest_max_ms: float
+    delete_s: float
+
+
+def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
+    from hyperpod_sim.sdk.client import HyperPodClient
+
+    name = f"scale-{size}"
+    data_dir = args.workdir / "hpsim-data"
+    with HyperPodClient(server.endpoint, timeout_s=120) as client:
+        started = time.perf_counter()
+        client.create_cluster(
+            ClusterName=name,
+            InstanceGroups=[
+                {
+                    "InstanceGroupName": "workers",
+                    "InstanceType": INSTANCE_TYPE,
+                    "InstanceCount": size,
+                    "ExecutionRole": EXECUTION_ROLE,
+                    "LifeCycleConfig": LIFECYCLE,
+                }
+            ],
+            Orchestrator=ORCHESTRATOR,
+            TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": FIRST_PERCENTAGE},
+        )
+        client.wait_until_in_service(
+            name, timeout=args.create_timeout_s, on_poll=lambda _: server.check_alive()
+        )
+        create_s = time.perf_counter() - started
+        progress(f"  {size:>5} nodes: InService after {create_s:.1f} s")
+        endpoints = [n["AgentStatus"]["Endpoint"] for n in client.list_nodes(name)]
+        if len(endpoints) != size or not all(endpoints):
+            raise RuntimeError(f"{name}: {len(endpoints)} endpoints listed, expected {size}")
+
+        agents = agent_pids(data_dir, [n["InstanceId"] for n in client.list_nodes(name)])
+        time.sleep(SETTLE_S)  # the starts' traffic settles before memory and idle CPU are read
+        processes = sorted(set(tree(server.proc.pid)) | set(agents))
+        pss = sum(p for p in (pss_bytes(pid) for pid in processes) if p is not None)
+        ticks_before = cpu_ticks(processes)
+        time.sleep(args.idle_s)  # the measurement: nothing asked of the cluster
+        ticks_after = cpu_ticks(processes)
+        idle = sum(ticks_after[p] - ticks_before[p] for p in ticks_after if p in ticks_before)
+        idle_cores = idle / os.sysconf("SC_CLK_TCK") / args.idle_s
+        serve_pid = server.proc.pid
+        serve_idle = (ticks_after.get(serve_pid, 0) - ticks_before.get(serve_pid, 0)) / os.sysconf(
+            "SC_CLK_TCK"
+        )
+        agents_idle = sum(
+            ticks_after[p] - ticks_before[p] for p in agents if p in ticks_after and p in ticks_before
+        )
+        agents_idle_cores = agents_idle / os.sysconf("SC_CLK_TCK") / args.idle_s
+        serve_idle_cores = serve_idle / args.idle_s
+        progress(
+            f"  {size:>5} nodes: {pss / MIB:.0f} MiB PSS in {len(processes)} processes, "
+            f"idle {idle_cores:.2f} cores (serve {serve_idle_cores:.2f}, agents {agents_idle_cores:.2f})"
+        )
+
+        rollouts = []
+        for i in range(args.rollouts):
+            started = time.perf_counter()
+            client.update_cluster(
+                ClusterName=name,
+                TieredStorageConfig={
+                    "Mode": "Enable",
+                    "InstanceMemoryAllocationPercentage": FIRST_PERCENTAGE + 10 * (i + 1),
+                },
+            )
+            wait_status(client, name, "InService", args.create_timeout_s)
+            rollouts.append(time.perf_counter() - started)
+        progress(f"  {size:>5} nodes: rollouts {[round(r, 2) for r in rollouts]} s")
+
+        save_step(endpoints, "scale-bench", 1)
+        latest = latest_times(endpoints[0], "scale-bench", 1, args.latest_calls)
+        ordered = sorted(latest)
+        progress(
+            f"  {size:>5} nodes: latest p50 {statistics.median(latest) * 1000:.1f} ms, "
+            f"worst {ordered[-1] * 1000:.1f} ms"
+        )
+
+        started = time.perf_counter()
+        client.delete_cluster(name)
+        client.wait_until_deleted(name, timeout=args.create_timeout_s)
+        poll(
+            lambda: None if any(alive(p) for p in agents) else True,
+            300.0,
+            0.2,
+            lambda: TimeoutError(f"{name}: agent processes left after DeleteCluster"),
+        )
+        delete_s = time.perf_counter() - started
+    return Row(
+        nodes=size,
+        create_s=round(create_s, 2),
+        pss_total_mib=round(pss / MIB, 1),
+        pss_per_node_mib=round(pss / MIB / size, 2),
+        processes=len(processes),
+        idle_cpu_cores=round(idle_cores, 3),
+        idle_serve_cores=round(serve_idle_cores, 3),
+        idle_agents_cores=round(agents_idle_cores, 3),
+        rollout_s=round(statistics.median(rollouts), 3),
+        latest_p50_ms=round(statistics.median(latest) * 1000, 2),
+        latest_p90_ms=round(ordered[int(0.9 * (len(ordered) - 1))] * 1000, 2),
+        latest_max_ms=round(ordered[-1] * 1000, 2),
+        delete_s=round(delete_s, 2),
+    )
+
+
+def wait_status(client: Any, name: str, want: str, deadline_s: float) -> None:
+    """DescribeCluster every 20 ms until the cluster is ``want`` (a rollout's end, to the poll)."""
+
+    def reached() -> bool | None:
+        status = client.describe_cluster(name)["ClusterStatus"]
+        if status == want:
+            return True
+        if status not in ("Creating", "Updating"):
+            raise RuntimeError(f"{name} is {status} while waiting for {want}")
+        return None
+
+    poll(reached, deadline_s, 0.02, lambda: TimeoutError(f"{name} not {want} after {deadline_s} s"))
+
+
+# ---------------------------------------------------------------------- report
+
+
+def render(rows: list[Row], notes: list[str]) -> str:
+    header = (
+        f"{'nodes':>6} {'create s':>9} {'PSS MiB':>9} {'MiB/node':>9} {'procs':>6} {'idle cores':>10} "
+        f"{'rollout s':>10} {'latest p50 ms':>14} {'p90 ms':>8} {'max ms':>8} {'delete s':>9}"
+    )
+    lines = [
+        f"{r.nodes:>6} {r.create_s:>9.1f} {r.pss_total_mib:>9.0f} {r.pss_per_node_mib:>9.2f} "
+        f"{r.processes:>6} "
+        f"{r.idle_cpu_cores:>10.3f} {r.rollout_s:>10.3f} {r.latest_p50_ms:>14.2f} {r.latest_p90_ms:>8.2f} "
+        f"{r.latest_max_ms:>8.2f} {r.delete_s:>9.1f}"
+        for r in rows
+    ]
+    return with_notes(table(header, lines), notes)
+
+
+def cells(rows: list[Row]) -> list[Cell]:
+    if not rows:
+        return []
+    small, large = rows[0], rows[-1]
+    same = small is large
+    return [
+        Cell(
+            f"latest p50, {large.nodes} / {small.nodes} nodes",
+            None if same else large.latest_p50_ms / small.latest_p50_ms,
+            Target("<=", 2.0),
+        ),
+        Cell(
+            f"rollout, {large.nodes} / {small.nodes} nodes",
+            None if same else large.rollout_s / small.rollout_s,
+            Target("<=", 20.0),
+        ),
+        Cell(
+            f"memory of everything at {large.nodes} nodes / 8 GiB",
+            large.pss_total_mib * MIB / MEMORY_TARGET_BYTES,
+            Target("<=", 1.0),
+        ),
+        Cell(
+            f"idle CPU at {large.nodes} nodes / half a core",
+            large.idle_cpu_cores / IDLE_CPU_TARGET_CORES,
+            Target("<=", 1.0),
+        ),
+        Cell(
+            f"CreateCluster to InService at {large.nodes} nodes / 20 min",
+            large.create_s / IN_SERVICE_TARGET_S,
+            Target("<=", 1.0),
+        ),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
+    parser.add_argument("--idle-s", type=float, default=20.0)
+    parser.add_argument("--latest-calls", type=int, default=30)
+    parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--create-timeout-s", type=float, default=IN_SERVICE_TARGET_S * 1.5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sizes = int_list_option(parser, "--sizes", args.sizes, "nodes")
+    rows: list[Row] = []
+    with BenchRun("hpsim-scale-bench-", shm=True) as run:
+        args.workdir = run.workdir
+        server = run.serve({**SETTINGS, "HPSIM_SIMULATION__SHM_ROOT": str(run.shm_root)})
+        run.ready(120.0, server)
+        for size in sizes:
+            progress(f"{size} nodes")
+            rows.append(measure(server, size, args))
+    notes = [
+        "PSS: serve and every process below it (agents, their launcher, the embedded S3), after 5 s idle.",
+        f"idle cores: CPU time of those processes over {args.idle_s:g} s with nothing asked of them.",
+        f"rollout: UpdateCluster to InService, median of {args.rollouts}; latest: through node 0's agent, "
+        f"{args.latest_calls} calls after one saved step of N + 1 ranks.",
+    ]
+    found = cells(rows)
+    report = render(rows, [*notes, *(f"{c.name}: {c.judged()}" for c in found)])
+    return finish(report, found, args.json, {"sizes": sizes, "rows": [asdict(r) for r in rows]})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""Heartbeats at scale: each agent's interval grows past ``heartbeat_full_rate_nodes`` agents, the
+heartbeat timeout with it, and agents follow the interval the control plane answers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from hyperpod_sim.agents.control_plane import ControlPlaneClient
+from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
+from hyperpod_sim.agents.state import AgentState
+from hyperpod_sim.domain.nodes.pacing import MISSES, HeartbeatPacing
+from tests.agents import create_tiered, nodes, wait_status
+from tests.conftest import ControlPlane, wait_for
+
+
+def test_up_to_the_full_rate_every_agent_keeps_the_configured_interval_and_timeout() -> None:
+    pacing = HeartbeatPacing(interval_s=1.0, timeout_s=10.0, full_rate_nodes=64)
+    pacing.count("a", 40)
+    pacing.count("b", 24)
+    assert (pacing.interval(), pacing.timeout()) == (1.0, 10.0)
+
+
+def test_past_the_full_rate_the_interval_grows_in_proportion_and_the_timeout_with_it() -> None:
+    pacing = HeartbeatPacing(interval_s=1.0, timeout_s=10.0, full_rate_nodes=64)
+    pacing.count("big", 1024)
+    assert pacing.interval() == 16.0  # as many heartbeats a second as 64 agents at 1 s
+    assert pacing.timeout() == MISSES * 16.0
+    pacing.count("big", 128)
+    assert pacing.interval() == 2.0
+    # Agents told 16 s heartbeat once more at that pace: the timeout does not shrink under them.
+    assert pacing.timeout() == MISSES * 16.0
+
+
+def test_the_timeout_never_drops_below_the_configured_one() -> None:
+    pacing = HeartbeatPacing(interval_s=1.0, timeout_s=60.0, full_rate_nodes=64)
+    pacing.count("c", 128)
+    assert pacing.interval() == 2.0
+    assert pacing.timeout() == 60.0
+
+
+def test_a_deleted_clusters_agents_no_longer_count() -> None:
+    pacing = HeartbeatPacing(interval_s=1.0, timeout_s=10.0, full_rate_nodes=10)
+    pacing.count("kept", 10)
+    pacing.count("deleted", 30)
+    assert pacing.agents() == 40
+    pacing.retain(["kept"])
+    assert pacing.agents() == 10
+    pacing.count("kept", 0)
+    assert pacing.agents() == 0
+
+
+def _loop_run(heartbeat_intervals: list[Any], *, adopt: bool) -> list[float]:
+    """An agent loop against a stand-in control plane whose heartbeats answer ``intervals`` (one
+    each, then 404: the node is gone); the waits the loop made after each heartbeat."""
+    answers = [
+        httpx.Response(
+            200,
+            json={
+                "node_id": "i-0",
+                "cluster_token": "c",
+                "node_token": "n",
+                "control_plane_token": "p",
+                "heartbeat_interval_s": 0.5,
+                "policy": None,
+            },
+        ),
+        *(
+            httpx.Response(200, json={"desired_generation": 0, "heartbeat_interval_s": i})
+            for i in heartbeat_intervals
+        ),
+        httpx.Response(404, json={"error": "NotFound", "message": "no node"}),
+    ]
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async def scenario() -> LoopOutcome:
+        transport = httpx.MockTransport(lambda request: answers.pop(0))
+        async with ControlPlaneClient(
+            base_url="http://cp", cluster="x", timeout_s=1, transport=transport
+        ) as client:
+            loop = AgentLoop(
+                state=AgentState(cluster="x", node_id="i-0"),
+                client=client,
+                identity=Identity(endpoint="http://127.0.0.1:1", pid=1, instance_type=None, memory_bytes=0),
+                token=SecretStr("launch"),
+                heartbeat_interval_s=1.0,
+                adopt_control_plane_interval=adopt,
+                backoff=Backoff(initial_s=0.1, max_s=2.0),
+                permanent_retry_s=5.0,
+                sleep=sleep,
+            )
+            return await loop.run()
+
+    assert asyncio.run(scenario()) is LoopOutcome.NODE_DELETED
+    return slept
+
+
+def test_an_agent_waits_the_interval_each_heartbeat_answers() -> None:
+    # Registration said 0.5 s; heartbeats then say 16 s, 2 s, and values off the contract (kept: 2 s).
+    assert _loop_run([16.0, 2, True, -1, "9", 10**9], adopt=True) == [16.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+
+
+def test_an_agent_whose_interval_was_set_keeps_it() -> None:
+    assert _loop_run([16.0, 2.0], adopt=False) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "agent_settings",
+    [{"provisioning": {"heartbeat_full_rate_nodes": 2, "heartbeat_interval_s": 0.2}}],
+    indirect=True,
+)
+def test_agents_of_a_cluster_past_the_full_rate_heartbeat_less_often(agent_plane: ControlPlane) -> None:
+    sm = agent_plane.client()
+    create_tiered(sm, "paced", 4)
+    wait_status(sm, "paced", "InService")
+    endpoints = [n["AgentStatus"]["Endpoint"] for n in nodes(agent_plane, "paced")]
+
+    def interval(endpoint: str) -> float | None:
+        for line in httpx.get(f"{endpoint}/metrics", timeout=10).text.splitlines():
+            if line.startswith("hpsim_agent_heartbeat_interval_seconds "):
+                return float(line.split()[1])
+        return None
+
+    # Four agents where two heartbeat at the full rate: each every 0.4 s, told at its next heartbeat.
+    wait_for(lambda: all(interval(e) == pytest.approx(0.4) for e in endpoints), timeout=30)
+    # The nodes stay Running through it.
+    assert {n["InstanceStatus"]["Status"] for n in nodes(agent_plane, "paced")} == {"Running"}
