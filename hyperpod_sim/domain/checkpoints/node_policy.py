@@ -44,38 +44,70 @@ def build_policy(
 ) -> NodePolicy:
     """The policy of ``node``, given the cluster's live members (the replica ring). Its
     ``document()`` is what the node's agent gets."""
-    tiered = cluster.tiered_storage
-    enabled = tiered is not None and tiered.enabled
-    # Peers are named by node id: their endpoints come and go with agent restarts without
-    # changing the policy; agents look them up with the members call of the agent API.
-    checkpoint = CheckpointPolicy.from_stored(cluster.checkpoint_policy)
-    ordered = ring(cluster, members)
-    peers: list[Peer] = []
-    if enabled and node in ordered and len(ordered) > 1:
-        index = ordered.index(node)
-        factor = min(checkpoint.replication_factor, len(ordered) - 1)
-        for step in range(1, factor + 1):
-            peers.append(Peer(node_id=ordered[(index + step) % len(ordered)].id))
-    s3 = s3_document(checkpoint, s3_endpoint) if enabled else None
-    return NodePolicy(
-        generation=cluster.generation,
-        cluster_name=cluster.name,
-        cluster_id=cluster.id,
-        node_id=node.id,
-        instance_group=node.group_name,
-        instance_type=node.instance_type,
-        tiered_storage=TieredStorage(
-            enabled=enabled,
-            memory_percentage=tiered.instance_memory_allocation_percentage if tiered and enabled else None,
-        ),
-        memory_budget_bytes=memory_budget_bytes(cluster, node.instance_type, memory_scale),
-        in_memory_retention=checkpoint.in_memory_retention,
-        replication=Replication(factor=checkpoint.replication_factor if enabled else 0, peers=tuple(peers)),
-        s3=S3Policy.model_validate(s3) if s3 is not None else None,
+    return PolicyBuilder(cluster, members, memory_scale=memory_scale, s3_endpoint=s3_endpoint).policy(node)
+
+
+class PolicyBuilder:
+    """The policies of a cluster's nodes: what they share (the ring, the checkpoint policy, S3,
+    faults, access) worked out once, so that a rollout to n nodes costs O(n), not O(n²)."""
+
+    def __init__(
+        self, cluster: Cluster, members: Sequence[Node], *, memory_scale: float, s3_endpoint: S3Endpoint
+    ) -> None:
+        self.cluster = cluster
+        self.memory_scale = memory_scale
+        tiered = cluster.tiered_storage
+        self.enabled = tiered is not None and tiered.enabled
+        self.tiered = TieredStorage(
+            enabled=self.enabled,
+            memory_percentage=tiered.instance_memory_allocation_percentage
+            if tiered and self.enabled
+            else None,
+        )
+        self.checkpoint = CheckpointPolicy.from_stored(cluster.checkpoint_policy)
+        # Peers are named by node id: their endpoints come and go with agent restarts without
+        # changing the policy; agents look them up with the members call of the agent API.
+        self.ring = ring(cluster, members)
+        self.place = {n.id: i for i, n in enumerate(self.ring)}
+        s3 = s3_document(self.checkpoint, s3_endpoint) if self.enabled else None
+        self.s3 = S3Policy.model_validate(s3) if s3 is not None else None
         # Injected faults the agent applies itself (domain/faults.py): S3 faults, in its S3 client.
-        faults=Faults(s3=s3_fault_policy(cluster)),
+        self.faults = Faults(s3=s3_fault_policy(cluster))
         # Who may write to the agent's checkpoint routes (AgentAccess), with the token's hash.
-        checkpoint_access=CheckpointAccess.model_validate(
-            access_document(checkpoint, cluster.checkpoint_token)
-        ),
-    )
+        self.access = CheckpointAccess.model_validate(
+            access_document(self.checkpoint, cluster.checkpoint_token)
+        )
+        self._budgets: dict[str, int] = {}
+
+    def peers(self, node: Node) -> tuple[Peer, ...]:
+        index = self.place.get(node.id)
+        if not self.enabled or index is None or len(self.ring) < 2:
+            return ()
+        factor = min(self.checkpoint.replication_factor, len(self.ring) - 1)
+        return tuple(
+            Peer(node_id=self.ring[(index + step) % len(self.ring)].id) for step in range(1, factor + 1)
+        )
+
+    def policy(self, node: Node) -> NodePolicy:
+        budget = self._budgets.get(node.instance_type)
+        if budget is None:
+            budget = self._budgets[node.instance_type] = memory_budget_bytes(
+                self.cluster, node.instance_type, self.memory_scale
+            )
+        return NodePolicy(
+            generation=self.cluster.generation,
+            cluster_name=self.cluster.name,
+            cluster_id=self.cluster.id,
+            node_id=node.id,
+            instance_group=node.group_name,
+            instance_type=node.instance_type,
+            tiered_storage=self.tiered,
+            memory_budget_bytes=budget,
+            in_memory_retention=self.checkpoint.in_memory_retention,
+            replication=Replication(
+                factor=self.checkpoint.replication_factor if self.enabled else 0, peers=self.peers(node)
+            ),
+            s3=self.s3,
+            faults=self.faults,
+            checkpoint_access=self.access,
+        )

@@ -18,7 +18,7 @@ from hyperpod_sim.contracts.agent_api import POLICY_PATH
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.checkpoints.agent_client import AgentConnection, AgentUnreachable, Answer
 from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
-from hyperpod_sim.domain.checkpoints.node_policy import build_policy
+from hyperpod_sim.domain.checkpoints.node_policy import PolicyBuilder
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.events import Level
 from hyperpod_sim.domain.lifecycle import LIVE, NodeStatus
@@ -55,7 +55,7 @@ def claim_pushes(cluster: Cluster, now: datetime, config: PushConfig) -> Outcome
     """Claim a push of the cluster's generation for every node with an agent that has not applied
     it (and that no one else is pushing, and whose retry is due)."""
     outcome = Outcome()
-    members = [n for n in cluster.nodes if n.status in LIVE]
+    policies: PolicyBuilder | None = None  # built at the first push: most passes have none
     lease = timedelta(seconds=config.timeout_s * 2)
     for node in cluster.nodes:
         if (
@@ -79,10 +79,12 @@ def claim_pushes(cluster: Cluster, now: datetime, config: PushConfig) -> Outcome
             outcome.note_due(node.next_push_at)
             continue
         node.push_claimed_until = now + lease
-        policy = build_policy(
-            cluster, node, members, memory_scale=config.memory_scale, s3_endpoint=config.s3_endpoint
-        )
-        outcome.pushes.append(Push(node.id, node.endpoint, node.push_token, policy))
+        if policies is None:
+            members = [n for n in cluster.nodes if n.status in LIVE]
+            policies = PolicyBuilder(
+                cluster, members, memory_scale=config.memory_scale, s3_endpoint=config.s3_endpoint
+            )
+        outcome.pushes.append(Push(node.id, node.endpoint, node.push_token, policies.policy(node)))
     return outcome
 
 
