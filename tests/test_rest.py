@@ -155,6 +155,10 @@ def test_nodes_routes(control_plane: ControlPlane, http: httpx.Client, sm: Any) 
     assert "NextToken" not in rest
     paged_ids = [n["InstanceId"] for n in paged["ClusterNodeSummaries"] + rest["ClusterNodeSummaries"]]
     assert sorted(paged_ids) == sorted(n["InstanceId"] for n in summaries)
+    # A page that ends the listing exactly says no more follow.
+    whole = http.get("/clusters/demo/nodes", params={"MaxResults": 3}).json()
+    assert len(whole["ClusterNodeSummaries"]) == 3
+    assert "NextToken" not in whole
 
     node_id = summaries[0]["InstanceId"]
     response = http.get(f"/clusters/demo/nodes/{node_id}")

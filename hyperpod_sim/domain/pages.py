@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from sqlalchemy import Select
+from sqlalchemy.orm import Session
+
 from hyperpod_sim.domain.errors import ValidationException
 
 DEFAULT_MAX_RESULTS = 100
@@ -61,3 +64,15 @@ def paginate(items: Sequence[T], *, max_results: int | None, token: str | None, 
     page = list(items[offset : offset + size])
     more = offset + size < len(items)
     return Page(page, _encode_token(offset + size, scope) if more else None)
+
+
+def paginate_query(
+    session: Session, query: Select[T], *, max_results: int | None, token: str | None, scope: str
+) -> Page[T]:
+    """``paginate`` with the page cut in the database (``query`` ordered, one row more than the page
+    read to know whether another follows): a page of a 1,024-node listing reads its rows, not all."""
+    offset = _decode_token(token, scope)
+    size = max_results or DEFAULT_MAX_RESULTS
+    rows = list(session.scalars(query.offset(offset).limit(size + 1)))
+    more = len(rows) > size
+    return Page(rows[:size], _encode_token(offset + size, scope) if more else None)

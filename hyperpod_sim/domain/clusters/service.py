@@ -39,7 +39,7 @@ from hyperpod_sim.domain.lifecycle import (
 )
 from hyperpod_sim.domain.node_batch import NodeBatch
 from hyperpod_sim.domain.nodes import recovery
-from hyperpod_sim.domain.pages import Page, paginate
+from hyperpod_sim.domain.pages import Page, paginate, paginate_query
 from hyperpod_sim.domain.service import DomainService
 from hyperpod_sim.models import Cluster, ClusterEvent, Node, Tag
 from hyperpod_sim.models.groups import ClusterExtra, InstanceGroupSpec, ResourceTag, TieredStorage
@@ -365,9 +365,8 @@ class ClusterService(DomainService):
             first = Node.group_name if sort_by == "NAME" else Node.launch_time
             order = [first.desc(), Node.id.desc()] if descending else [first.asc(), Node.id.asc()]
             query = query.order_by(*order)
-            nodes = list(session.scalars(query))
-        scope = f"nodes:{cluster.id}:{sort_by}:{sort_order}:{instance_group_name_contains}"
-        return paginate(nodes, max_results=max_results, token=next_token, scope=scope)
+            scope = f"nodes:{cluster.id}:{sort_by}:{sort_order}:{instance_group_name_contains}"
+            return paginate_query(session, query, max_results=max_results, token=next_token, scope=scope)
 
     def describe_cluster_node(
         self, *, name: str, node_id: str | None = None, node_logical_id: str | None = None
