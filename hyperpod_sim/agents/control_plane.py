@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import httpx
 
+from hyperpod_sim.agents import tls
 from hyperpod_sim.contracts.agent_api import (
     AGENT_API_PREFIX,
     HEARTBEAT_ROUTE,
@@ -83,7 +84,7 @@ class ControlPlaneClient:
             base_url=base_url,
             timeout=timeout_s,
             trust_env=False,
-            verify=base_url.startswith("https://"),
+            verify=tls.client_context() if base_url.startswith("https://") else False,
             transport=transport,
             event_hooks={"request": [self._check_partition]},
         )

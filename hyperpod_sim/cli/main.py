@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hyperpod_sim import __version__
@@ -242,6 +243,19 @@ def _agent(args: argparse.Namespace) -> int:
     return run(settings)
 
 
+def _agent_launcher(args: argparse.Namespace) -> int:
+    from hyperpod_sim.agents.launcher import run_launcher
+    from hyperpod_sim.settings import default_agent_command
+
+    # Each forked agent runs `hyperpod-sim agent ...` as this command would, from its arguments.
+    return run_launcher(
+        socket_path=Path(args.socket),
+        parent=args.parent,
+        entry=main,
+        agent_command=default_agent_command(),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyperpod-sim", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -312,6 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--log-level", help="logging level (default warning)")
     agent.set_defaults(func=_agent)
+
+    launcher = sub.add_parser(
+        "agent-launcher",
+        help="fork node agents for serve (serve starts it)",
+        description="The agent launcher of serve's local provisioner: it imports the agent once and "
+        "forks one agent per node on serve's request, over a Unix socket only serve's user may use "
+        "(docs/nodes.md). serve starts and stops it; it exits when serve is gone.",
+    )
+    launcher.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    launcher.add_argument("--parent", type=int, required=True, help="exit once this pid is not the parent")
+    launcher.add_argument("--room", default="", help="padding: room for a forked agent's command line")
+    launcher.set_defaults(func=_agent_launcher)
 
     from hyperpod_sim.cli import (
         clusters as cluster_cli,  # argparse only: the SDK is imported when a command runs

@@ -40,6 +40,7 @@ from hyperpod_sim.domain.nodes import credentials
 from hyperpod_sim.domain.provisioning import ExternalProvisioner, Provisioner, SimulatedProvisioner
 from hyperpod_sim.infra import netns
 from hyperpod_sim.infra.addresses import AGENT_PORT
+from hyperpod_sim.infra.launcher import AgentLauncher
 from hyperpod_sim.infra.netns_exec import trampoline_argv
 from hyperpod_sim.infra.node_processes import ON_NODE, end_node_processes
 from hyperpod_sim.infra.processes import (
@@ -52,6 +53,7 @@ from hyperpod_sim.infra.processes import (
     wipe_shared_memory,
 )
 from hyperpod_sim.models import Cluster, Node
+from hyperpod_sim.settings import default_agent_command
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,9 @@ def agent_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 @dataclass
 class _Agent:
-    """An agent this provisioner started (``process``) or adopted from its pidfile."""
+    """An agent this provisioner started (``process``: spawned; None: forked by the agent launcher,
+    whose child it is) or adopted from its pidfile. Without a handle, the pidfile tells whether it
+    runs: pid and start time, a zombie counting as exited (the launcher collects it)."""
 
     pidfile: Pidfile
     process: subprocess.Popen[bytes] | None = None
@@ -118,6 +122,8 @@ class LocalProvisioner:
     # The namespaces node network (infra/netns.py): each node a network namespace its agent runs
     # in, a NetworkPartition a route in it; None: the loopback or shared network.
     network: netns.NodeNetwork | None = None
+    # The agent launcher (infra/launcher.py), started at the first launch it serves: see ``_forks``.
+    launcher: AgentLauncher | None = None
     # node id -> its agent, running or exited (until it is started again or its node is gone).
     _agents: dict[str, _Agent] = field(default_factory=dict)
     # node id -> when its agent was sent SIGTERM, for the SIGKILL of agents that do not stop.
@@ -136,6 +142,18 @@ class LocalProvisioner:
     def _running(self, node_id: str) -> _Agent | None:
         agent = self._agents.get(node_id)
         return agent if agent is not None and agent.alive() else None
+
+    def _forks(self) -> bool:
+        """Whether this provisioner's agents are forked by the agent launcher: those of the default
+        agent command on the loopback or shared network. Another command (tests', users') is
+        exec'ed as given, and the namespaces network execs each agent through its trampoline."""
+        return self.network is None and list(self.command) == default_agent_command()
+
+    def _launcher(self) -> AgentLauncher:
+        if self.launcher is None:
+            base = {**agent_environment(os.environ), **self.agent_env}
+            self.launcher = AgentLauncher(directory=self.data_dir / "launcher", env=base)
+        return self.launcher
 
     def launch(self, cluster: Cluster, node: Node) -> bool:
         if self._running(node.id) is not None:
@@ -163,17 +181,22 @@ class LocalProvisioner:
         # `ps` shows to every user; the database keeps only its digest.
         secret = credentials.bind_launch_secret(node)
         env = {**agent_environment(os.environ), **self.agent_env, "HPSIM_AGENT_TOKEN": secret}
-        process = spawn(argv, env=env, log_path=agent_dir / "agent.log")
+        process: subprocess.Popen[bytes] | None = None
+        if self._forks():
+            pid = self._launcher().launch(argv, env=env, log_path=agent_dir / "agent.log")
+        else:
+            process = spawn(argv, env=env, log_path=agent_dir / "agent.log")
+            pid = process.pid
         pidfile = Pidfile(
-            pid=process.pid,
-            start_time=start_time(process.pid) or -1,
+            pid=pid,
+            start_time=start_time(pid) or -1,
             node_id=node.id,
             control_plane=self.control_plane_url,
         )
         pidfile.write(agent_dir)
-        node.pid = process.pid
+        node.pid = pid
         self._agents[node.id] = _Agent(pidfile, process)
-        log.info("started agent of %s (pid %d)", node.id, process.pid)
+        log.info("started agent of %s (pid %d%s)", node.id, pid, ", forked" if process is None else "")
         return True
 
     def unlaunch(self, node_id: str) -> None:
@@ -328,8 +351,11 @@ class LocalProvisioner:
         return found
 
     def stop_agents(self, *, hurry: threading.Event | None = None) -> list[str]:
+        """Stop the agents (serve's shutdown), then the agent launcher."""
         agents = [a for a in self._agents.values() if a.alive()]
         self._stop(agents, hurry=hurry)
+        if self.launcher is not None:
+            self.launcher.stop()
         return sorted(a.pidfile.node_id for a in agents)
 
     def _stop(self, agents: Iterable[_Agent], *, hurry: threading.Event | None = None) -> None:
