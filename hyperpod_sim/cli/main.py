@@ -244,7 +244,7 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _agent_launcher(args: argparse.Namespace) -> int:
-    from hyperpod_sim.agents.launcher import run_launcher
+    from hyperpod_sim.agents.launcher.server import run_launcher
     from hyperpod_sim.settings import default_agent_command
 
     # Each forked agent runs `hyperpod-sim agent ...` as this command would, from its arguments.

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyperpod_sim.agents.launcher import MAX_REQUEST, ROOM_VARIABLE
+from hyperpod_sim.agents.launcher.server import MAX_REQUEST, ROOM_VARIABLE
 from hyperpod_sim.infra.processes import spawn
 
 ROOM = 4096  # bytes of argv and of environment a forked agent may show as its own

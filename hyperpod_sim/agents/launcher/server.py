@@ -9,7 +9,7 @@ its siblings.
 Each child is what ``spawn`` would have started (hyperpod_sim/infra/processes.py): a session and
 process group of its own, stdin from /dev/null, stdout and stderr appended to the node's log, the
 environment it is given and no other, and ``/proc/<pid>/cmdline`` and ``environ`` showing its own
-argv and environment (written over the launcher's, see ``_Title``), so that the observers that find
+argv and environment (written over the launcher's, see ``Title``), so that the observers that find
 agents by their command line find it. It runs the agent's entry and exits with its status.
 
 The launcher answers on a Unix socket in a directory only its user may enter (0700, checked at
@@ -23,8 +23,6 @@ do, and the next serve adopts them by their pidfiles.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import gc
 import json
 import os
@@ -39,6 +37,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from hyperpod_sim.agents.launcher.title import Title, TitleError, replace_environment
 
 MAX_REQUEST = 64 * 1024  # bytes of one request
 MAX_ARGS = 128
@@ -84,60 +84,6 @@ class LaunchRequest:
         return cls(argv=list(argv), env=dict(env), log=Path(log))
 
 
-class _Title:
-    """The areas of this process's memory that ``/proc/<pid>/cmdline`` and ``environ`` show: the
-    argv and environment strings the kernel laid out at exec (``/proc/self/stat`` fields 48-51).
-    A forked child writes its own there, as NUL-separated strings, the rest NUL; the launcher was
-    started with room to spare in both (a padding argument and ``ROOM_VARIABLE``)."""
-
-    def __init__(self) -> None:
-        with open("/proc/self/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-        # Fields 48..51 of stat, counted from 1 with the pid and the name first.
-        self.arg_start, self.arg_end, self.env_start, self.env_end = (int(f) for f in fields[45:49])
-
-    @property
-    def argv_room(self) -> int:
-        return self.arg_end - self.arg_start
-
-    @staticmethod
-    def _pack(items: Sequence[str], room: int) -> bytes | None:
-        packed = b"".join(item.encode(errors="surrogateescape") + b"\0" for item in items)
-        return packed + b"\0" * (room - len(packed)) if len(packed) <= room else None
-
-    def fits(self, argv: Sequence[str]) -> bool:
-        return self._pack(argv, self.argv_room) is not None
-
-    def write(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
-        """Show ``argv`` (and ``env``: the entries that fit) as this process's. Before the
-        environment area is written, libc must hold no pointer into it: ``_replace_environment``."""
-        packed = self._pack(argv, self.argv_room)
-        if packed is None:
-            raise RequestError(f"argv: {len(argv)} arguments do not fit in {self.argv_room} bytes")
-        ctypes.memmove(self.arg_start, packed, len(packed))
-        if env is not None:
-            room = self.env_end - self.env_start
-            entries, used = [], 0
-            for key, value in env.items():
-                entry = f"{key}={value}"
-                size = len(entry.encode(errors="surrogateescape")) + 1
-                if used + size <= room:
-                    entries.append(entry)
-                    used += size
-            packed_env = self._pack(entries, room)
-            assert packed_env is not None
-            ctypes.memmove(self.env_start, packed_env, len(packed_env))
-
-
-def _replace_environment(env: dict[str, str]) -> None:
-    """This process's environment becomes ``env`` and no other: libc's too (``clearenv`` drops
-    its pointers into the area the kernel laid out; ``setenv`` copies each new value)."""
-    os.environ.clear()
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.clearenv()
-    os.environ.update(env)
-
-
 def _peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
@@ -165,7 +111,7 @@ class Launcher:
     agent_command: Sequence[str]  # what every request's argv starts with
 
     def __post_init__(self) -> None:
-        self._title = _Title()
+        self._title = Title()
         self._children: set[int] = set()
         self._stop = False
 
@@ -231,7 +177,7 @@ class Launcher:
                 answer: dict[str, object] = {"error": "refused: the launcher serves its own user only"}
             else:
                 answer = self._launch(_read_request(conn), conn, listener)
-        except RequestError as exc:
+        except (RequestError, TitleError) as exc:
             answer = {"error": str(exc)}
         except OSError as exc:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
@@ -271,7 +217,7 @@ class Launcher:
             os.dup2(log_fd, 1)
             os.dup2(log_fd, 2)
             os.close(log_fd)
-            _replace_environment(request.env)
+            replace_environment(request.env)
             self._title.write(request.argv, request.env)
             code = self.entry(request.argv[len(self.agent_command) - 1 :])
         except SystemExit as exc:
@@ -308,12 +254,26 @@ def _say(message: str) -> None:
 
 
 def prepare() -> None:
-    """Import what an agent runs and build what every agent may share, before the first fork."""
-    import hyperpod_sim.agents.config
+    """Import what an agent runs and build once what every agent would build alike, before the
+    first fork: the TLS context, and what pydantic-settings, asyncio and httpx make at their first
+    use (measured: about 5 MiB of each agent's private memory otherwise)."""
+    import asyncio
+
+    import httpx
+    from pydantic import SecretStr
+
     import hyperpod_sim.agents.main  # noqa: F401
     from hyperpod_sim.agents import tls
+    from hyperpod_sim.agents.config import AgentSettings
 
-    tls.client_context()
+    context = tls.client_context()
+    AgentSettings(control_plane="http://127.0.0.1:1", cluster="warm-up", token=SecretStr("warm-up" * 4))
+
+    async def warm_up() -> None:
+        async with httpx.AsyncClient(verify=context, trust_env=False):
+            await asyncio.sleep(0)
+
+    asyncio.run(warm_up())
 
 
 def run_launcher(*, socket_path: Path, parent: int, entry: Entry, agent_command: Sequence[str]) -> int:
@@ -323,7 +283,7 @@ def run_launcher(*, socket_path: Path, parent: int, entry: Entry, agent_command:
         own = [arg.decode(errors="surrogateescape") for arg in handle.read().split(b"\0")[:-1]]
     if "--room" in own:  # ps shows the launcher without its padding
         at = own.index("--room")
-        _Title().write(own[:at] + own[at + 2 :])
+        Title().write(own[:at] + own[at + 2 :])
     prepare()
     launcher = Launcher(socket_path=socket_path, parent=parent, entry=entry, agent_command=agent_command)
     try:
