@@ -258,6 +258,7 @@ def prepare() -> None:
     first fork: the TLS context, and what pydantic-settings, asyncio and httpx make at their first
     use (measured: about 5 MiB of each agent's private memory otherwise)."""
     import asyncio
+    import importlib
 
     import httpx
     from pydantic import SecretStr
@@ -269,8 +270,8 @@ def prepare() -> None:
     # boto3 comes only when an agent's S3 tier makes its first call; imported here, its modules
     # are shared (measured, 8 children building an S3 client: 26.8 MiB PSS each, 36.0 when each
     # imports it), and an agent that never calls S3 does not pay for it.
-    import boto3.s3.transfer
-    import botocore.config  # noqa: F401
+    for module in ("boto3", "boto3.s3.transfer", "botocore.config"):
+        importlib.import_module(module)
 
     context = tls.client_context()
     AgentSettings(control_plane="http://127.0.0.1:1", cluster="warm-up", token=SecretStr("warm-up" * 4))
