@@ -114,6 +114,7 @@ class Launcher:
         self._title = Title()
         self._children: set[int] = set()
         self._stop = False
+        self._selector: selectors.BaseSelector | None = None
 
     def serve(self) -> int:
         check_private_directory(self.socket_path.parent)
@@ -136,7 +137,7 @@ class Launcher:
         gc.collect()
         gc.freeze()
         _say(f"agent launcher on {self.socket_path} (pid {os.getpid()}, parent {self.parent})")
-        selector = selectors.DefaultSelector()
+        selector = self._selector = selectors.DefaultSelector()
         selector.register(listener, selectors.EVENT_READ)
         try:
             while not self._stop and os.getppid() == self.parent:
@@ -196,7 +197,9 @@ class Launcher:
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
-            if pid == 0:  # the agent
+            if pid == 0:  # the agent: none of the launcher's descriptors but its log
+                if self._selector is not None:
+                    self._selector.close()
                 listener.close()
                 conn.close()
                 os._exit(self._child(request, log_fd))
@@ -261,7 +264,7 @@ def prepare() -> None:
     import importlib
 
     import httpx
-    from pydantic import SecretStr
+    from pydantic import SecretStr, ValidationError
 
     import hyperpod_sim.agents.main  # noqa: F401
     from hyperpod_sim.agents import tls
@@ -274,7 +277,9 @@ def prepare() -> None:
         importlib.import_module(module)
 
     context = tls.client_context()
-    AgentSettings(control_plane="http://127.0.0.1:1", cluster="warm-up", token=SecretStr("warm-up" * 4))
+    # HPSIM_AGENT_* variables a setting refuses are each agent's to report, in its log.
+    with contextlib.suppress(ValidationError):
+        AgentSettings(control_plane="http://127.0.0.1:1", cluster="warm-up", token=SecretStr("warm-up" * 4))
 
     async def warm_up() -> None:
         async with httpx.AsyncClient(verify=context, trust_env=False):
