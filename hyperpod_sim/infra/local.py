@@ -1,6 +1,12 @@
 """The local provisioner: one ``hyperpod-sim agent`` process per node on this machine (the
 default), and ``make_provisioner``, which picks the provisioner a control plane runs with.
 
+Agents of the default agent command on the loopback or shared network are forked by the agent
+launcher (infra/launcher.py, agents/launcher/: one interpreter that imported the agent once, about
+13 MiB of PSS an agent instead of a fresh interpreter's 34); another command, and every agent of the
+namespaces network, is exec'ed (``_forks`` decides). A forked agent is the launcher's child, not
+this process's: it is known by its pidfile alone.
+
 It stops an agent on scale-down, node deletion and DeleteCluster: SIGTERM, then SIGKILL after a
 grace period in which the agent drains the checkpoints it has not persisted to S3 yet. The node
 stays ShuttingDown (and a deleted cluster Deleting) until the process is gone, so that the agent
