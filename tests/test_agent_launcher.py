@@ -110,6 +110,33 @@ def test_agents_are_forked_and_a_kill_touches_no_other_node(agent_plane: Control
     )
 
 
+@SQLITE
+def test_a_dead_launcher_is_started_again_and_its_agents_live_on(
+    agent_plane: ControlPlane, client: Any
+) -> None:
+    data_dir = Path(agent_plane.services.settings.data_dir).resolve()
+    agent_plane.client().create_cluster(
+        ClusterName="two", InstanceGroups=[group("workers", 2, "ml.c5.large")]
+    )
+    client.wait_until_in_service("two", timeout=90)
+    nodes = sorted(n["InstanceId"] for n in client.list_nodes("two"))
+    pids = agent_pids(data_dir, nodes)
+    first = launcher_pid(data_dir)
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: parent_pid(pids[nodes[0]]) != first, timeout=30, what="the agents to lose their parent")
+    os.kill(pids[nodes[0]], signal.SIGKILL)  # its restart needs a launcher: a new one
+
+    def restarted() -> int | None:
+        now = agent_pids(data_dir, [nodes[0]]).get(nodes[0])
+        return now if now not in (None, pids[nodes[0]]) and nodes[0] in running(client, "two") else None
+
+    new_pid = wait_for(restarted, timeout=60, what="the killed agent started by a new launcher")
+    second = launcher_pid(data_dir)
+    assert second != first
+    assert parent_pid(new_pid) == second
+    assert agent_pids(data_dir, [nodes[1]]) == {nodes[1]: pids[nodes[1]]}  # lived on without its launcher
+
+
 # ---------------------------------------------------------------------- the launcher's socket
 
 
