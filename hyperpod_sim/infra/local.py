@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -151,9 +152,12 @@ class LocalProvisioner:
 
     def _forks(self) -> bool:
         """Whether this provisioner's agents are forked by the agent launcher: those of the default
-        agent command on the loopback or shared network. Another command (tests', users') is
-        exec'ed as given, and the namespaces network execs each agent through its trampoline."""
-        return self.network is None and list(self.command) == default_agent_command()
+        agent command on the loopback or shared network, on Linux (the launcher needs /proc and
+        SO_PEERCRED). Another command (tests', users') is exec'ed as given, and the namespaces
+        network execs each agent through its trampoline."""
+        return (
+            sys.platform == "linux" and self.network is None and list(self.command) == default_agent_command()
+        )
 
     def _launcher(self) -> AgentLauncher:
         if self.launcher is None:
