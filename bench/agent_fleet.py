@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -129,6 +130,7 @@ def measure(mode: str, nodes: int, s3: str, settle_s: float, workdir: Path) -> d
         return result
     finally:
         stop_servers([server])
+        shutil.rmtree(settings["HPSIM_SIMULATION__SHM_ROOT"], ignore_errors=True)
 
 
 def main() -> int:
