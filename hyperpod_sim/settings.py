@@ -15,6 +15,12 @@ from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+def default_agent_command() -> list[str]:
+    """The agent command of the local provisioner by default: ``hyperpod-sim agent`` on this
+    interpreter. With it, agents are forked by the agent launcher (docs/nodes.md)."""
+    return [sys.executable, "-m", "hyperpod_sim", "agent"]
+
+
 class DatabaseSettings(BaseModel):
     url: str | None = Field(
         default=None,
@@ -141,8 +147,10 @@ class ProvisioningSettings(BaseModel):
         return str(subnet)
 
     agent_command: list[str] = Field(
-        default_factory=lambda: [sys.executable, "-m", "hyperpod_sim", "agent"],
-        description="local mode: the command that starts an agent (flags are appended).",
+        default_factory=default_agent_command,
+        description="local mode: the command that starts an agent (flags are appended). The default's "
+        "agents are forked by one agent launcher (far less memory each); another command is "
+        "started as a process of its own.",
     )
 
 

@@ -17,6 +17,7 @@ from urllib.parse import quote
 
 import httpx
 
+from hyperpod_sim.agents import tls
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.agents.tiermodel import Namespace, TierError, checked_namespace
@@ -35,7 +36,10 @@ class ClusterView:
         # Other agents: a hung one (stopped, partitioned) must not hold a read or `latest` for
         # long; the timeout is per network wait, so big shards still stream.
         self.peers = httpx.AsyncClient(
-            timeout=peer_timeout_s, trust_env=False, limits=httpx.Limits(max_connections=64)
+            timeout=peer_timeout_s,
+            trust_env=False,
+            verify=tls.client_context(),
+            limits=httpx.Limits(max_connections=64),
         )
         self._namespaces: dict[str, Namespace] = {}
         self._members: dict[str, str] = {}  # node id -> endpoint

@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import httpx
 
+from hyperpod_sim.agents import tls
 from hyperpod_sim.contracts.agent_api import (
     AGENT_API_PREFIX,
     HEARTBEAT_ROUTE,
@@ -77,13 +78,13 @@ class ControlPlaneClient:
         transport: httpx.AsyncBaseTransport | None = None,
         partition: Partition | None = None,
     ) -> None:
-        # No TLS context unless the control plane is https (loading CA certificates costs memory), and
-        # no proxies from the environment: the control plane is addressed directly.
+        # The agent's one TLS context (a context of its own would cost a few MiB, even unverified),
+        # and no proxies from the environment: the control plane is addressed directly.
         self._client = httpx.AsyncClient(
             base_url=base_url,
             timeout=timeout_s,
             trust_env=False,
-            verify=base_url.startswith("https://"),
+            verify=tls.client_context(),
             transport=transport,
             event_hooks={"request": [self._check_partition]},
         )

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hyperpod_sim import __version__
@@ -242,6 +243,21 @@ def _agent(args: argparse.Namespace) -> int:
     return run(settings)
 
 
+def _agent_launcher(args: argparse.Namespace) -> int:
+    from hyperpod_sim.agents.launcher.server import run_launcher
+    from hyperpod_sim.settings import default_agent_command
+
+    # Each forked agent runs `hyperpod-sim agent ...` as this command would, from its arguments,
+    # with the parser built here once (building it in each agent cost 2.6 MiB of private memory).
+    parser = build_parser()
+    return run_launcher(
+        socket_path=Path(args.socket),
+        parent=args.parent,
+        entry=lambda argv: main(argv, parser=parser),
+        agent_command=default_agent_command(),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyperpod-sim", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -313,6 +329,18 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--log-level", help="logging level (default warning)")
     agent.set_defaults(func=_agent)
 
+    launcher = sub.add_parser(
+        "agent-launcher",
+        help="fork node agents for serve (serve starts it)",
+        description="The agent launcher of serve's local provisioner: it imports the agent once and "
+        "forks one agent per node on serve's request, over a Unix socket only serve's user may use "
+        "(docs/nodes.md). serve starts and stops it; it exits when serve is gone.",
+    )
+    launcher.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    launcher.add_argument("--parent", type=int, required=True, help="exit once this pid is not the parent")
+    launcher.add_argument("--room", default="", help="padding: room for a forked agent's command line")
+    launcher.set_defaults(func=_agent_launcher)
+
     from hyperpod_sim.cli import (
         clusters as cluster_cli,  # argparse only: the SDK is imported when a command runs
     )
@@ -344,8 +372,9 @@ def missing_extra(exc: ModuleNotFoundError) -> str | None:
     return f"needs the '{extra}' extra (no module {top!r}): pip install 'hyperpod-sim[{extra}]'"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, *, parser: argparse.ArgumentParser | None = None) -> int:
+    """The command; ``parser``: one already built (the agent launcher's, shared by its agents)."""
+    args = (parser or build_parser()).parse_args(argv)
     # What argparse cannot say alone (``cluster create`` needs --name unless --file gives it):
     # its usage line and message, exit status 2.
     check = getattr(args, "check", None)

@@ -1,6 +1,12 @@
 """The local provisioner: one ``hyperpod-sim agent`` process per node on this machine (the
 default), and ``make_provisioner``, which picks the provisioner a control plane runs with.
 
+Agents of the default agent command on the loopback or shared network are forked by the agent
+launcher (infra/launcher.py, agents/launcher/: one interpreter that imported the agent once, about
+13 MiB of PSS an agent instead of a fresh interpreter's 34); another command, and every agent of the
+namespaces network, is exec'ed (``_forks`` decides). A forked agent is the launcher's child, not
+this process's: it is known by its pidfile alone.
+
 It stops an agent on scale-down, node deletion and DeleteCluster: SIGTERM, then SIGKILL after a
 grace period in which the agent drains the checkpoints it has not persisted to S3 yet. The node
 stays ShuttingDown (and a deleted cluster Deleting) until the process is gone, so that the agent
@@ -28,6 +34,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -40,6 +47,7 @@ from hyperpod_sim.domain.nodes import credentials
 from hyperpod_sim.domain.provisioning import ExternalProvisioner, Provisioner, SimulatedProvisioner
 from hyperpod_sim.infra import netns
 from hyperpod_sim.infra.addresses import AGENT_PORT
+from hyperpod_sim.infra.launcher import AgentLauncher
 from hyperpod_sim.infra.netns_exec import trampoline_argv
 from hyperpod_sim.infra.node_processes import ON_NODE, end_node_processes
 from hyperpod_sim.infra.processes import (
@@ -52,6 +60,7 @@ from hyperpod_sim.infra.processes import (
     wipe_shared_memory,
 )
 from hyperpod_sim.models import Cluster, Node
+from hyperpod_sim.settings import default_agent_command
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +93,9 @@ def agent_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 @dataclass
 class _Agent:
-    """An agent this provisioner started (``process``) or adopted from its pidfile."""
+    """An agent this provisioner started (``process``: spawned; None: forked by the agent launcher,
+    whose child it is) or adopted from its pidfile. Without a handle, the pidfile tells whether it
+    runs: pid and start time, a zombie counting as exited (the launcher collects it)."""
 
     pidfile: Pidfile
     process: subprocess.Popen[bytes] | None = None
@@ -117,6 +128,8 @@ class LocalProvisioner:
     # The namespaces node network (infra/netns.py): each node a network namespace its agent runs
     # in, a NetworkPartition a route in it; None: the loopback or shared network.
     network: netns.NodeNetwork | None = None
+    # The agent launcher (infra/launcher.py), started at the first launch it serves: see ``_forks``.
+    launcher: AgentLauncher | None = None
     # node id -> its agent, running or exited (until it is started again or its node is gone).
     _agents: dict[str, _Agent] = field(default_factory=dict)
     # node id -> when its agent was sent SIGTERM, for the SIGKILL of agents that do not stop.
@@ -135,6 +148,21 @@ class LocalProvisioner:
     def _running(self, node_id: str) -> _Agent | None:
         agent = self._agents.get(node_id)
         return agent if agent is not None and agent.alive() else None
+
+    def _forks(self) -> bool:
+        """Whether this provisioner's agents are forked by the agent launcher: those of the default
+        agent command on the loopback or shared network, on Linux (the launcher needs /proc and
+        SO_PEERCRED). Another command (tests', users') is exec'ed as given, and the namespaces
+        network execs each agent through its trampoline."""
+        return (
+            sys.platform == "linux" and self.network is None and list(self.command) == default_agent_command()
+        )
+
+    def _launcher(self) -> AgentLauncher:
+        if self.launcher is None:
+            base = {**agent_environment(os.environ), **self.agent_env}
+            self.launcher = AgentLauncher(directory=self.data_dir / "launcher", env=base)
+        return self.launcher
 
     def launch(self, cluster: Cluster, node: Node) -> bool:
         if self._running(node.id) is not None:
@@ -161,17 +189,22 @@ class LocalProvisioner:
         # `ps` shows to every user; the database keeps only its digest.
         secret = credentials.bind_launch_secret(node)
         env = {**agent_environment(os.environ), **self.agent_env, "HPSIM_AGENT_TOKEN": secret}
-        process = spawn(argv, env=env, log_path=agent_dir / "agent.log")
+        process: subprocess.Popen[bytes] | None = None
+        if self._forks():
+            pid = self._launcher().launch(argv, env=env, log_path=agent_dir / "agent.log")
+        else:
+            process = spawn(argv, env=env, log_path=agent_dir / "agent.log")
+            pid = process.pid
         pidfile = Pidfile(
-            pid=process.pid,
-            start_time=start_time(process.pid) or -1,
+            pid=pid,
+            start_time=start_time(pid) or -1,
             node_id=node.id,
             control_plane=self.control_plane_url,
         )
         pidfile.write(agent_dir)
-        node.pid = process.pid
+        node.pid = pid
         self._agents[node.id] = _Agent(pidfile, process)
-        log.info("started agent of %s (pid %d)", node.id, process.pid)
+        log.info("started agent of %s (pid %d%s)", node.id, pid, ", forked" if process is None else "")
         return True
 
     def unlaunch(self, node_id: str) -> None:
@@ -326,8 +359,11 @@ class LocalProvisioner:
         return found
 
     def stop_agents(self, *, hurry: threading.Event | None = None) -> list[str]:
+        """Stop the agents (serve's shutdown), then the agent launcher."""
         agents = [a for a in self._agents.values() if a.alive()]
         self._stop(agents, hurry=hurry)
+        if self.launcher is not None:
+            self.launcher.stop()
         return sorted(a.pidfile.node_id for a in agents)
 
     def _stop(self, agents: Iterable[_Agent], *, hurry: threading.Event | None = None) -> None:
