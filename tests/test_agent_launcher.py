@@ -196,6 +196,19 @@ def test_the_launcher_refuses_a_bad_request_and_starts_nothing(
         launcher.launch([sys.executable, "-c", "pass"], env={}, log_path=tmp_path / "x.log")
 
 
+def test_a_launcher_under_a_deep_data_dir_answers(tmp_path: Path) -> None:
+    """A Unix socket's path holds 108 bytes at most: a data dir deeper than that (pytest's own
+    under xdist came within a byte of it) must not keep agents from starting."""
+    deep = tmp_path.joinpath(*["a-rather-long-directory-name"] * 5)
+    assert len(str(deep / "launcher" / "launcher.sock")) > 108
+    made = AgentLauncher(directory=deep / "launcher", env=agent_environment(os.environ))
+    try:
+        assert started(made, tmp_path) > 0  # it listened, and answered a request
+    finally:
+        made.stop()
+        kill_processes_under(tmp_path)
+
+
 def test_the_launcher_socket_is_in_a_directory_of_its_user_only(
     launcher: AgentLauncher, tmp_path: Path
 ) -> None:

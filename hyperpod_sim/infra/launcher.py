@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyperpod_sim.agents.launcher.server import MAX_REQUEST, ROOM_VARIABLE
+from hyperpod_sim.agents.launcher.server import MAX_REQUEST, ROOM_VARIABLE, unix_address
 from hyperpod_sim.infra.processes import spawn
 
 ROOM = 4096  # bytes of argv and of environment a forked agent may show as its own
@@ -112,7 +112,8 @@ def ask(socket_path: Path, request: bytes) -> dict[str, object]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(ANSWER_TIMEOUT_S)
         try:
-            sock.connect(str(socket_path))
+            with unix_address(socket_path) as address:
+                sock.connect(address)
             sock.sendall(request)
             data = bytearray()
             while b"\n" not in data:

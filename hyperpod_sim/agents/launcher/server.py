@@ -34,7 +34,7 @@ import struct
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +84,18 @@ class LaunchRequest:
         return cls(argv=list(argv), env=dict(env), log=Path(log))
 
 
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """An address of the Unix socket ``path`` short enough for ``bind`` and ``connect`` (108 bytes
+    at most) however deep its directory: the name through an open descriptor of the directory
+    (``/proc/self/fd/N/name``). A data dir under pytest's or a user's long path would not fit."""
+    directory = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{directory}/{path.name}"
+    finally:
+        os.close(directory)
+
+
 def _peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
@@ -125,7 +137,8 @@ class Launcher:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o077)
         try:
-            listener.bind(str(partial))
+            with unix_address(partial) as address:
+                listener.bind(address)
         finally:
             os.umask(old_umask)
         listener.listen(64)
