@@ -51,7 +51,15 @@ sys.path.insert(0, str(ROOT))  # bench.common, as bench/x.py too
 
 from bench.common import exit_on_sigterm, progress, write_json  # noqa: E402
 
-BENCHMARKS = ("control_plane", "policy_rollout", "memory_tier", "s3_tier", "checkpoint_path", "reshard")
+BENCHMARKS = (
+    "control_plane",
+    "policy_rollout",
+    "memory_tier",
+    "s3_tier",
+    "checkpoint_path",
+    "reshard",
+    "scale",
+)
 README = BENCH / "README.md"
 START_MARKER = "<!-- run_all table -->"
 END_MARKER = "<!-- /run_all table -->"

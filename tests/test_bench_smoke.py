@@ -1,4 +1,4 @@
-"""The benchmark scripts still run: ``bench/run_all.py`` on each of its six with small sizes, and
+"""The benchmark scripts still run: ``bench/run_all.py`` on each of its seven with small sizes, and
 ``bench/agent_http.py`` (the agents' HTTP server against the loopback ceiling, docs/decisions/0001)
 with a 4 MiB body.
 
@@ -26,6 +26,7 @@ SMALL = {
     "s3_tier": "--sizes 8 --repeats 1 --saves 2 --save-size 4",
     "checkpoint_path": "--sizes 16 --repeats 2",
     "reshard": "--size 16 --repeats 1",
+    "scale": "--sizes 2,4 --idle-s 1 --latest-calls 3 --rollouts 1",
 }
 
 
@@ -39,7 +40,7 @@ def test_the_smoke_runs_every_benchmark_of_run_all(tmp_path: Path) -> None:
 
 
 # One test a benchmark (run_all.py --only): the xdist workers run them side by side, where one test
-# of all six was the suite's longest (about 150 s) and often its last.
+# of all of them was the suite's longest (about 150 s) and often its last.
 @pytest.mark.parametrize("name", list(SMALL))
 def test_each_benchmark_runs_and_measures_its_targets(tmp_path: Path, name: str) -> None:
     command = [
