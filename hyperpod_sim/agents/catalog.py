@@ -9,8 +9,9 @@ size is the lowest of them (``contracts.shards.step_world_size``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 
 import httpx
 
@@ -23,6 +24,9 @@ from hyperpod_sim.contracts.shards import UNUSED_RANK_CHECKSUM, step_world_size
 log = logging.getLogger("hyperpod_sim.agents.tier")
 
 Held = Mapping[int, Iterable[int]]  # step -> ranks
+
+# How many agents keep a namespace's index (its homes): one may be down, the other answers.
+HOMES = 2
 
 
 def merge(indexes: Iterable[Held]) -> dict[int, set[int]]:
@@ -61,7 +65,13 @@ def local_index(shards: Iterable[ShardInfo], node_id: str | None) -> ShardIndex:
         member: {step: tuple(sorted(ranks)) for step, ranks in sorted(steps.items())}
         for member, steps in held.items()
     }
-    return ShardIndex(node_id=node_id, **ordered)
+    return ShardIndex(
+        node_id=node_id,
+        steps=ordered["steps"],
+        primary=ordered["primary"],
+        replica=ordered["replica"],
+        unused=ordered["unused"],
+    )
 
 
 def peer_index(response: httpx.Response) -> ShardIndex | None:
@@ -109,3 +119,64 @@ async def cluster_steps(cluster: ClusterView, store: ShardStore, name: str) -> d
             unused.append(index.unused)
     steps = complete_steps(namespace.num_ranks, indexes)
     return world_sizes(namespace.num_ranks, steps, unused)
+
+
+# ------------------------------------------------------------------ the namespace index's homes
+
+
+def _weight(namespace: str, node_id: str) -> int:
+    digest = hashlib.blake2b(f"{namespace}\x00{node_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def homes(namespace: str, node_ids: Iterable[str], count: int = HOMES) -> list[str]:
+    """The agents that keep ``namespace``'s index: the ``count`` members of highest weight for it
+    (rendezvous hashing), best first. Every agent computes the same homes from the same members,
+    and a member joining or leaving moves only the namespaces whose homes it is or becomes."""
+    return sorted(set(node_ids), key=lambda node_id: (_weight(namespace, node_id), node_id), reverse=True)[
+        :count
+    ]
+
+
+class HomeView:
+    """What a home keeps of one namespace: each member's latest image of what it holds (its
+    ``ShardIndex``), and the member set it last asked every agent for its index (``warm_for``;
+    None: never, so the view may lack a node that has not reported to it)."""
+
+    def __init__(self) -> None:
+        self.images: dict[str, ShardIndex] = {}
+        self.warm_for: frozenset[str] | None = None
+
+    def offer(self, image: ShardIndex) -> bool:
+        """Keep ``image`` unless a newer one of its node (a higher ``seq``) is kept already: an
+        image that arrives late (a retried report, an index fetched while a report landed) never
+        replaces a newer one. Whether it was kept."""
+        if image.node_id is None:
+            return False
+        held = self.images.get(image.node_id)
+        if held is not None and held.seq >= image.seq:
+            return False
+        self.images[image.node_id] = image
+        return True
+
+    def retain(self, members: Set[str]) -> None:
+        """Forget the images of nodes that are no longer members."""
+        for node_id in [n for n in self.images if n not in members]:
+            del self.images[node_id]
+
+    def steps(self, num_ranks: int) -> dict[int, int]:
+        """The complete steps, newest first, each with the world size that saved it."""
+        images = list(self.images.values())
+        steps = complete_steps(num_ranks, (image.steps for image in images))
+        return world_sizes(num_ranks, steps, (image.unused for image in images))
+
+    def holders(self, step: int, rank: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The nodes holding the step's ``rank`` (None: any rank of it): (own shards, replicas)."""
+
+        def holds(held: Mapping[int, tuple[int, ...]]) -> bool:
+            ranks = held.get(step, ())
+            return bool(ranks) if rank is None else rank in ranks
+
+        primary = tuple(sorted(n for n, image in self.images.items() if holds(image.primary)))
+        replica = tuple(sorted(n for n, image in self.images.items() if holds(image.replica)))
+        return primary, replica

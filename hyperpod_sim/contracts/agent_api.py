@@ -160,6 +160,12 @@ INTERNAL_REPLICA_ROUTE = "/v1/internal/replicas/{namespace}/{rank}/{step}"  # PU
 INTERNAL_PERSIST_ROUTE = "/v1/internal/persist/{namespace}/{step}"  # POST a PersistRequest
 INTERNAL_NAMESPACE_ROUTE = "/v1/internal/namespaces/{namespace}"
 INTERNAL_RESET_ROUTE = "/v1/internal/reset"
+# The namespace index's homes (docs/memory-tier.md, "The namespace index"): PUT a ShardIndex (an
+# agent's report of what it holds of the namespace), GET ``?num_ranks=N`` its complete steps
+# (CatalogSteps) as the home sees them.
+INTERNAL_CATALOG_ROUTE = "/v1/internal/catalog/{namespace}"
+# GET ``[?rank=R]``: the nodes that hold the step (that rank of it, if named) as a home sees them.
+INTERNAL_HOLDERS_ROUTE = "/v1/internal/holders/{namespace}/{step}"
 # POST ``?save=<id>``: the step's metadata of that save is committed; drop every other save's shards.
 INTERNAL_SAVES_ROUTE = "/v1/internal/saves/{namespace}/{step}"
 # The query parameter of a shard read (GET CP_SHARD_ROUTE, INTERNAL_SHARD_ROUTE) that asks for the
@@ -236,6 +242,9 @@ AGENT_ROUTES: tuple[AgentRoute, ...] = (
         ("POST", INTERNAL_PERSIST_ROUTE),
         ("DELETE", INTERNAL_NAMESPACE_ROUTE),
         ("POST", INTERNAL_RESET_ROUTE),
+        ("PUT", INTERNAL_CATALOG_ROUTE),
+        ("GET", INTERNAL_CATALOG_ROUTE),
+        ("GET", INTERNAL_HOLDERS_ROUTE),
     ),
 )
 
