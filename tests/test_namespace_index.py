@@ -15,6 +15,7 @@ import pytest
 
 from hyperpod_sim.agents import catalog
 from hyperpod_sim.infra.processes import find_agent_pids
+from hyperpod_sim.sdk.client import HyperPodClient
 from tests.conftest import ControlPlane, launch_secret, wait_for
 from tests.tier import cluster, create_namespace, get, latest, members, metric, put, url
 
@@ -172,3 +173,25 @@ def test_a_home_killed_and_restarted_rebuilds_its_view(
     finally:
         restarted.kill()
         restarted.wait(timeout=30)
+
+
+def test_the_checkpoint_listing_asks_one_home_per_namespace(agent_plane: ControlPlane, sm: Any) -> None:
+    nodes = cluster(sm, agent_plane, "listed", 5)
+    agents = [url(n) for n in nodes]
+    for name in ("alpha", "beta"):
+        assert create_namespace(agents[0], name, 2).status_code == 201
+        for rank in range(2):
+            assert put(agents[rank + 2], name, rank, 1, b"%s-%d" % (name.encode(), rank)).status_code == 200
+    with HyperPodClient(agent_plane.url) as client:
+        first = client.checkpoints("listed")  # a home may build its view (asks every agent once)
+        indexes = total(agents, "hpsim_tier_index_answers_total")
+        answers = total(agents, "hpsim_tier_catalog_answers_total")
+        listing = client.checkpoints("listed")
+    assert listing == first
+    assert listing["Unreachable"] == []
+    memory = {ns["Namespace"]: ns["Steps"][0]["Memory"] for ns in listing["Namespaces"]}
+    holders = {"0": nodes[2]["InstanceId"], "1": nodes[3]["InstanceId"]}
+    assert memory == {"alpha": holders, "beta": holders}
+    # One home's answer per namespace, and no agent was asked for its own index.
+    assert total(agents, "hpsim_tier_catalog_answers_total") - answers == 2
+    assert total(agents, "hpsim_tier_index_answers_total") == indexes

@@ -9,7 +9,6 @@ size is the lowest of them (``contracts.shards.step_world_size``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterable, Mapping, Set
 
@@ -17,16 +16,13 @@ import httpx
 
 from hyperpod_sim.agents.cluster import ClusterView
 from hyperpod_sim.agents.store import ShardInfo, ShardStore
-from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, agent_path
+from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, agent_path, namespace_homes
 from hyperpod_sim.contracts.agent_bodies import ShardIndex, problem_of
 from hyperpod_sim.contracts.shards import UNUSED_RANK_CHECKSUM, step_world_size
 
 log = logging.getLogger("hyperpod_sim.agents.tier")
 
 Held = Mapping[int, Iterable[int]]  # step -> ranks
-
-# How many agents keep a namespace's index (its homes): one may be down, the other answers.
-HOMES = 2
 
 
 def merge(indexes: Iterable[Held]) -> dict[int, set[int]]:
@@ -124,18 +120,10 @@ async def cluster_steps(cluster: ClusterView, store: ShardStore, name: str) -> d
 # ------------------------------------------------------------------ the namespace index's homes
 
 
-def _weight(namespace: str, node_id: str) -> int:
-    digest = hashlib.blake2b(f"{namespace}\x00{node_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def homes(namespace: str, node_ids: Iterable[str], count: int = HOMES) -> list[str]:
-    """The agents that keep ``namespace``'s index: the ``count`` members of highest weight for it
-    (rendezvous hashing), best first. Every agent computes the same homes from the same members,
-    and a member joining or leaving moves only the namespaces whose homes it is or becomes."""
-    return sorted(set(node_ids), key=lambda node_id: (_weight(namespace, node_id), node_id), reverse=True)[
-        :count
-    ]
+def homes(namespace: str, node_ids: Iterable[str]) -> list[str]:
+    """The two agents that keep ``namespace``'s index, best first (``contracts.agent_api``:
+    the control plane computes them alike)."""
+    return namespace_homes(namespace, node_ids)
 
 
 class HomeView:

@@ -39,6 +39,7 @@ from hyperpod_sim.contracts.agent_api import (
 )
 from hyperpod_sim.contracts.agent_bodies import (
     AgentBody,
+    CatalogImages,
     CatalogReported,
     CatalogSteps,
     ShardIndex,
@@ -241,6 +242,10 @@ class NamespaceIndex:
     async def steps_here(self, namespace: str, num_ranks: int) -> CatalogSteps:
         sizes = (await self._view(namespace)).steps(num_ranks)
         return CatalogSteps(steps=tuple(sizes), world_sizes=sizes)
+
+    async def images_here(self, namespace: str) -> CatalogImages:
+        view = await self._view(namespace)
+        return CatalogImages(images=tuple(view.images[n] for n in sorted(view.images)))
 
     async def holders_here(self, namespace: str, step: int, rank: int | None) -> StepHolders:
         primary, replica = (await self._view(namespace)).holders(step, rank)

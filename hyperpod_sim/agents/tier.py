@@ -80,6 +80,7 @@ from hyperpod_sim.contracts.agent_api import (
     agent_path,
 )
 from hyperpod_sim.contracts.agent_bodies import (
+    CatalogImages,
     CatalogReported,
     CatalogSteps,
     FastAborted,
@@ -692,6 +693,10 @@ class MemoryTier:
     async def catalog_steps(self, name: str, num_ranks: int) -> CatalogSteps:
         checked_namespace(name)
         return await self.index.steps_here(name, num_ranks)
+
+    async def catalog_images(self, name: str) -> CatalogImages:
+        checked_namespace(name)
+        return await self.index.images_here(name)
 
     async def catalog_holders(self, name: str, step: str, rank: str | None) -> StepHolders:
         key = parse_key(name, rank or "0", step)

@@ -38,6 +38,7 @@ from hyperpod_sim.contracts.agent_api import (
     FAST_RELEASE_ROUTE,
     FAST_RESERVE_ROUTE,
     FAST_SHARD_ROUTE,
+    IMAGES_PARAMETER,
     INTERNAL_CATALOG_ROUTE,
     INTERNAL_HOLDERS_ROUTE,
     INTERNAL_INDEX_ROUTE,
@@ -235,7 +236,9 @@ class TierRoutes:
             ("POST", INTERNAL_RESET_ROUTE): lambda r, p: self._now(tier.local_reset),
             ("PUT", INTERNAL_CATALOG_ROUTE): self._catalog_report,
             ("GET", INTERNAL_CATALOG_ROUTE): lambda r, p: self._answer(
-                tier.catalog_steps(p["namespace"], query_int(r, "num_ranks"))
+                tier.catalog_images(p["namespace"])
+                if query_flag(r, IMAGES_PARAMETER)
+                else tier.catalog_steps(p["namespace"], query_int(r, "num_ranks"))
             ),
             ("GET", INTERNAL_HOLDERS_ROUTE): lambda r, p: self._answer(
                 tier.catalog_holders(p["namespace"], p["step"], parse_qs(r.query).get("rank", [None])[0])

@@ -175,6 +175,13 @@ class CatalogSteps(AgentBody):
     world_sizes: dict[int, int]
 
 
+class CatalogImages(AgentBody):
+    """``GET /v1/internal/catalog/{namespace}?images=true``: every member's latest image of the
+    namespace as a home keeps them (the control plane's checkpoint listing)."""
+
+    images: tuple[ShardIndex, ...]
+
+
 class CatalogReported(AgentBody):
     """``PUT /v1/internal/catalog/{namespace}``: whether the home kept the image (False: it held
     a newer one of that node already)."""
