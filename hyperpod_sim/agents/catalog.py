@@ -134,6 +134,9 @@ class HomeView:
     def __init__(self) -> None:
         self.images: dict[str, ShardIndex] = {}
         self.warm_for: frozenset[str] | None = None
+        # The complete steps, computed once per change of the images (num_ranks -> steps): a
+        # restart's `latest`s, one per rank, cost one merge, not one each.
+        self._steps: dict[int, dict[int, int]] = {}
 
     def offer(self, image: ShardIndex) -> bool:
         """Keep ``image`` unless a newer one of its node (a higher ``seq``) is kept already: an
@@ -145,18 +148,22 @@ class HomeView:
         if held is not None and held.seq >= image.seq:
             return False
         self.images[image.node_id] = image
+        self._steps.clear()
         return True
 
     def retain(self, members: Set[str]) -> None:
         """Forget the images of nodes that are no longer members."""
         for node_id in [n for n in self.images if n not in members]:
             del self.images[node_id]
+            self._steps.clear()
 
     def steps(self, num_ranks: int) -> dict[int, int]:
         """The complete steps, newest first, each with the world size that saved it."""
-        images = list(self.images.values())
-        steps = complete_steps(num_ranks, (image.steps for image in images))
-        return world_sizes(num_ranks, steps, (image.unused for image in images))
+        if num_ranks not in self._steps:
+            images = list(self.images.values())
+            steps = complete_steps(num_ranks, (image.steps for image in images))
+            self._steps[num_ranks] = world_sizes(num_ranks, steps, (image.unused for image in images))
+        return dict(self._steps[num_ranks])
 
     def holders(self, step: int, rank: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The nodes holding the step's ``rank`` (None: any rank of it): (own shards, replicas)."""
