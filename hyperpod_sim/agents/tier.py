@@ -637,7 +637,8 @@ class MemoryTier:
     # ------------------------------------------------------------------ latest
 
     async def complete_steps(self, name: str) -> list[int]:
-        return await catalog.cluster_complete_steps(self.cluster, self.store, name)
+        """The complete steps of ``name`` in memory across the cluster, newest first."""
+        return list(await self._memory_steps(name))
 
     async def latest(self, name: str, *, limit: int) -> list[int]:
         """What the library asks: the newest steps saved at the namespace's own world size (its
