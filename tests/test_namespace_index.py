@@ -149,8 +149,12 @@ def test_a_home_killed_and_restarted_rebuilds_its_view(
     )
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not find_agent_pids(first["InstanceId"]), timeout=30, what="the agent to die")
-    # Meanwhile the second home answers.
+    # Meanwhile the second home answers, and saves go on (their reports to the dead home fail).
     assert latest(caller, "job") == before
+    for rank in range(4):
+        assert put(caller, "job", rank, 4, b"four-%d" % rank).status_code == 200
+    before = latest(caller, "job")
+    assert before == [4, 3, 2]
     environ[b"HPSIM_AGENT_TOKEN"] = launch_secret(agent_plane, first["InstanceId"]).encode()
     with open(tmp_path / "restarted.log", "wb") as log:
         restarted = subprocess.Popen(argv, env=environ, stdout=log, stderr=subprocess.STDOUT)

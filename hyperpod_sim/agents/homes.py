@@ -88,6 +88,9 @@ class NamespaceIndex:
         self._version: dict[str, int] = {}
         self._tried: dict[str, int] = {}
         self._reporting: set[str] = set()
+        # Set by a change while the report task waits to retry: it tries again at once (a save
+        # waits on its report's attempt, never on a backoff meant for the previous one).
+        self._wake: dict[str, asyncio.Event] = {}
         self._settled = asyncio.Condition()
         # Views kept as a home.
         self._views: dict[str, catalog.HomeView] = {}
@@ -125,6 +128,9 @@ class NamespaceIndex:
     def touch(self, namespace: str) -> None:
         """What this node holds of ``namespace`` changed: report it to the homes (coalesced)."""
         self._version[namespace] = self._version.get(namespace, 0) + 1
+        wake = self._wake.get(namespace)
+        if wake is not None:
+            wake.set()
         if namespace not in self._reporting and self.cluster.state.node_id:
             self._reporting.add(namespace)
             self._spawn(self._report(namespace))
@@ -157,14 +163,23 @@ class NamespaceIndex:
                         return
                     continue
                 failures += 1
-                if failures >= REPORT_ATTEMPTS:
+                if failures >= REPORT_ATTEMPTS and self._version[namespace] == version:
                     log.warning("the homes of %r did not take this node's index; they rebuild it", namespace)
                     return
-                await asyncio.sleep(backoff.next_delay())
+                if self._version[namespace] != version:
+                    continue  # changed meanwhile: a save waits on this attempt
+                wake = self._wake.setdefault(namespace, asyncio.Event())
+                wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), backoff.next_delay())
         except TierError as exc:  # no member list (the control plane never answered)
             log.info("this node's index of %r was not reported: %s", namespace, exc)
+            async with self._settled:  # nobody waits for a report that cannot be sent
+                self._tried[namespace] = self._version[namespace]
+                self._settled.notify_all()
         finally:
             self._reporting.discard(namespace)
+            self._wake.pop(namespace, None)
 
     async def _send(self, namespace: str) -> bool:
         """This node's image of ``namespace`` to each of its homes; whether every one took it."""
