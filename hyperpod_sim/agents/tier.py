@@ -363,7 +363,7 @@ class MemoryTier:
 
     async def _replace_other_saves(self, name: str, step: int, save: str) -> None:
         """The step's metadata of save ``save`` is committed here: every other save's shards of
-        the step go, on this node and on every other agent, so a step saved again replaces the
+        the step go, on this node and on every other agent holding some, so a step saved again replaces the
         earlier save whole. An agent that does not answer keeps its copies; readers use only the
         shards the committed metadata names (by checksum) in any case."""
         dropped = self.store.drop_other_saves(name, step, save)
