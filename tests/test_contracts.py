@@ -271,7 +271,7 @@ def test_agent_bodies_round_trip_in_their_wire_order() -> None:
     wire = json.dumps(index.document())
     assert wire == (
         '{"node_id": "i-1", "steps": {"5": [0, 1]}, "primary": {"5": [1]}, "replica": {"5": [0]}, '
-        '"unused": {"5": [1]}}'
+        '"unused": {"5": [1]}, "seq": 0}'
     )
     assert ShardIndex.parse(wire) == index
     request = PersistRequest(base_uri="s3://b/p", ranks=(0, 2), replicas=True, save=None)

@@ -52,6 +52,7 @@ def test_the_local_index_separates_own_shards_from_replicas(tmp_path: Path) -> N
         "primary": {"4": [0], "5": [1, 2]},
         "replica": {"5": [0]},
         "unused": {"5": [2]},  # step 5 was saved by a job of 2 ranks
+        "seq": 0,  # the namespace index numbers the images it sends (agents/homes.py)
     }
     assert ShardIndex.parse(json.dumps(index.document())).steps == {4: (0,), 5: (0, 1, 2)}
 
@@ -160,3 +161,50 @@ def test_fast_path_leases_are_capped_until_some_end(tmp_path: Path) -> None:
             task.cancel()
 
     asyncio.run(scenario())
+
+
+def image(node_id: str, seq: int, **held: dict[int, tuple[int, ...]]) -> ShardIndex:
+    primary, replica = held.get("primary", {}), held.get("replica", {})
+    steps = catalog.merge([primary, replica])
+    return ShardIndex(
+        node_id=node_id,
+        steps={step: tuple(sorted(ranks)) for step, ranks in steps.items()},
+        primary=primary,
+        replica=replica,
+        seq=seq,
+    )
+
+
+def test_a_homes_view_ignores_an_older_image_that_arrives_late() -> None:
+    view = catalog.HomeView()
+    assert view.offer(image("a", 2, primary={5: (0, 1)}))
+    # Seq 1 (made before rank 1 of step 6 was stored, say) arrives after seq 2: ignored.
+    assert not view.offer(image("a", 1, primary={4: (0, 1)}))
+    assert not view.offer(image("a", 2, primary={}))  # the same image again changes nothing
+    assert view.steps(2) == {5: 1}  # step -> world size (ranks less the metadata rank)
+    assert view.offer(image("a", 3, primary={5: (0,)}))  # newer: rank 1 went (evicted, deleted)
+    assert view.steps(2) == {}
+    assert view.offer(image("b", 1, replica={5: (1,)}))
+    assert view.steps(2) == {5: 1}  # step -> world size (ranks less the metadata rank)
+    assert view.holders(5, 1) == ((), ("b",))
+    assert view.holders(5) == (("a",), ("b",))
+    assert view.holders(5, 0) == (("a",), ())
+    # A node no longer a member: its image goes, and the step is incomplete again.
+    view.retain({"a"})
+    assert view.steps(2) == {}
+    assert not view.offer(ShardIndex(node_id=None, steps={5: (1,)}, seq=9))  # nobody's image
+
+
+def test_every_agent_computes_the_same_two_homes_and_a_leaving_node_moves_only_its_own() -> None:
+    nodes = [f"i-{n:04d}" for n in range(64)]
+    homes = {ns: catalog.homes(ns, nodes) for ns in (f"job-{k}" for k in range(200))}
+    assert all(len(h) == 2 and h[0] != h[1] for h in homes.values())
+    assert homes == {ns: catalog.homes(ns, reversed(nodes)) for ns in homes}  # order does not matter
+    assert len({h[0] for h in homes.values()}) > 32  # spread over the members
+    gone = nodes[7]
+    after = {ns: catalog.homes(ns, [n for n in nodes if n != gone]) for ns in homes}
+    for ns, before in homes.items():
+        if gone not in before:
+            assert after[ns] == before
+        else:
+            assert [h for h in before if h != gone] == [h for h in after[ns] if h in before]

@@ -10,13 +10,13 @@ size is the lowest of them (``contracts.shards.step_world_size``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 
 import httpx
 
 from hyperpod_sim.agents.cluster import ClusterView
 from hyperpod_sim.agents.store import ShardInfo, ShardStore
-from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, agent_path
+from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, agent_path, namespace_homes
 from hyperpod_sim.contracts.agent_bodies import ShardIndex, problem_of
 from hyperpod_sim.contracts.shards import UNUSED_RANK_CHECKSUM, step_world_size
 
@@ -61,7 +61,13 @@ def local_index(shards: Iterable[ShardInfo], node_id: str | None) -> ShardIndex:
         member: {step: tuple(sorted(ranks)) for step, ranks in sorted(steps.items())}
         for member, steps in held.items()
     }
-    return ShardIndex(node_id=node_id, **ordered)
+    return ShardIndex(
+        node_id=node_id,
+        steps=ordered["steps"],
+        primary=ordered["primary"],
+        replica=ordered["replica"],
+        unused=ordered["unused"],
+    )
 
 
 def peer_index(response: httpx.Response) -> ShardIndex | None:
@@ -109,3 +115,63 @@ async def cluster_steps(cluster: ClusterView, store: ShardStore, name: str) -> d
             unused.append(index.unused)
     steps = complete_steps(namespace.num_ranks, indexes)
     return world_sizes(namespace.num_ranks, steps, unused)
+
+
+# ------------------------------------------------------------------ the namespace index's homes
+
+
+def homes(namespace: str, node_ids: Iterable[str]) -> list[str]:
+    """The two agents that keep ``namespace``'s index, best first (``contracts.agent_api``:
+    the control plane computes them alike)."""
+    return namespace_homes(namespace, node_ids)
+
+
+class HomeView:
+    """What a home keeps of one namespace: each member's latest image of what it holds (its
+    ``ShardIndex``), and the member set it last asked every agent for its index (``warm_for``;
+    None: never, so the view may lack a node that has not reported to it)."""
+
+    def __init__(self) -> None:
+        self.images: dict[str, ShardIndex] = {}
+        self.warm_for: frozenset[str] | None = None
+        # The complete steps, computed once per change of the images (num_ranks -> steps): a
+        # restart's `latest`s, one per rank, cost one merge, not one each.
+        self._steps: dict[int, dict[int, int]] = {}
+
+    def offer(self, image: ShardIndex) -> bool:
+        """Keep ``image`` unless a newer one of its node (a higher ``seq``) is kept already: an
+        image that arrives late (a retried report, an index fetched while a report landed) never
+        replaces a newer one. Whether it was kept."""
+        if image.node_id is None:
+            return False
+        held = self.images.get(image.node_id)
+        if held is not None and held.seq >= image.seq:
+            return False
+        self.images[image.node_id] = image
+        self._steps.clear()
+        return True
+
+    def retain(self, members: Set[str]) -> None:
+        """Forget the images of nodes that are no longer members."""
+        for node_id in [n for n in self.images if n not in members]:
+            del self.images[node_id]
+            self._steps.clear()
+
+    def steps(self, num_ranks: int) -> dict[int, int]:
+        """The complete steps, newest first, each with the world size that saved it."""
+        if num_ranks not in self._steps:
+            images = list(self.images.values())
+            steps = complete_steps(num_ranks, (image.steps for image in images))
+            self._steps[num_ranks] = world_sizes(num_ranks, steps, (image.unused for image in images))
+        return dict(self._steps[num_ranks])
+
+    def holders(self, step: int, rank: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The nodes holding the step's ``rank`` (None: any rank of it): (own shards, replicas)."""
+
+        def holds(held: Mapping[int, tuple[int, ...]]) -> bool:
+            ranks = held.get(step, ())
+            return bool(ranks) if rank is None else rank in ranks
+
+        primary = tuple(sorted(n for n, image in self.images.items() if holds(image.primary)))
+        replica = tuple(sorted(n for n, image in self.images.items() if holds(image.replica)))
+        return primary, replica

@@ -4,27 +4,34 @@ and the calls to them, through one connection pool each.
 - ``namespace`` caches what the control plane says about a namespace (it never changes: a
   namespace is deleted and created anew, and a delete clears the cache of every agent).
 - ``members`` lists the other agents; when the control plane cannot be reached, the last list known.
-- ``fan_out`` makes the same internal call to every other agent, with the cluster token; an agent
-  that does not answer is left out.
+- ``fan_out`` makes the same internal call to every other agent (or to those named), with the
+  cluster token; an agent that does not answer is left out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Collection
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 
-from hyperpod_sim.agents import tls
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
+from hyperpod_sim.agents.http import tls
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.agents.tiermodel import Namespace, TierError, checked_namespace
 
 log = logging.getLogger("hyperpod_sim.agents.tier")
 
 PeerTimeout = float | httpx.Timeout
+
+# How old the member list that the namespace index's homes are computed from may be: members come
+# and go over seconds (heartbeats, node operations); asking the control plane on every `latest`
+# would cost it one request per call.
+MEMBERS_MAX_AGE_S = 2.0
 
 
 class ClusterView:
@@ -43,6 +50,8 @@ class ClusterView:
         )
         self._namespaces: dict[str, Namespace] = {}
         self._members: dict[str, str] = {}  # node id -> endpoint
+        self._members_at = 0.0  # time.monotonic() of the last member list
+        self.fan_outs_total = 0  # calls made to every other agent
 
     async def aclose(self) -> None:
         await self.peers.aclose()
@@ -114,22 +123,41 @@ class ClusterView:
                     for m in response.json()["members"]
                     if m["endpoint"] and m["node_id"] != self.state.node_id
                 }
+                self._members_at = time.monotonic()
         return dict(self._members)
+
+    async def recent_members(self, max_age_s: float = MEMBERS_MAX_AGE_S) -> dict[str, str]:
+        """``members``, asked of the control plane again only when the list is older than
+        ``max_age_s`` (or when the control plane did not answer, the last list known)."""
+        stale = time.monotonic() - self._members_at > max_age_s
+        return await self.members(refresh=stale)
 
     def forget_members(self) -> None:
         """The next ``members`` asks the control plane (new peers were named)."""
         self._members.clear()
+        self._members_at = 0.0
 
     def token_header(self) -> dict[str, str]:
         token = self.state.cluster_token
         return {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
 
     async def fan_out(
-        self, method: str, path: str, *, json_body: Any = None, timeout: PeerTimeout | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        timeout: PeerTimeout | None = None,
+        only: Collection[str] | None = None,
     ) -> list[tuple[str, httpx.Response]]:
-        """The same internal call to every other agent (a JSON body if given); unreachable ones
-        are left out."""
-        members = await self.members(refresh=True)
+        """The same internal call to every other agent (a JSON body if given), or with ``only`` to
+        those of them named there; unreachable ones are left out."""
+        if only is None:
+            self.fan_outs_total += 1
+            members = await self.members(refresh=True)
+        else:
+            known = await self.recent_members()
+            members = {node_id: known[node_id] for node_id in only if node_id in known}
         options: dict[str, Any] = {"headers": self.token_header()}
         if json_body is not None:
             options["json"] = json_body

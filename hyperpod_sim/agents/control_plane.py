@@ -15,7 +15,7 @@ from urllib.parse import quote
 
 import httpx
 
-from hyperpod_sim.agents import tls
+from hyperpod_sim.agents.http import tls
 from hyperpod_sim.contracts.agent_api import (
     AGENT_API_PREFIX,
     HEARTBEAT_ROUTE,

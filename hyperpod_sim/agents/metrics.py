@@ -183,7 +183,48 @@ def tier_metrics(tier: MemoryTier) -> list[Metric]:
             help="Reads served from another agent's copy.",
             value=tier.counters.remote_reads_total,
         ),
+        *_index_metrics(tier),
     ]
+
+
+def _index_metrics(tier: MemoryTier) -> list[Metric]:
+    """The namespace index (agents/homes.py): what it costs, and when it is passed over."""
+    counters = tier.index.counters
+    rows = [
+        (
+            "hpsim_tier_index_answers_total",
+            "Indexes of a namespace sent to another agent or the control plane (someone's fan-out).",
+            counters.index_answers_total,
+        ),
+        ("hpsim_tier_fan_outs_total", "Calls made to every other agent.", tier.cluster.fan_outs_total),
+        ("hpsim_tier_catalog_answers_total", "Questions answered as a home.", counters.answers_total),
+        (
+            "hpsim_tier_catalog_rebuilds_total",
+            "Views of a namespace built by asking every agent, as its home.",
+            counters.rebuilds_total,
+        ),
+        (
+            "hpsim_tier_catalog_reports_sent_total",
+            "Reports of what this node holds sent to a home.",
+            counters.reports_sent_total,
+        ),
+        (
+            "hpsim_tier_catalog_report_failures_total",
+            "Reports a home did not take (retried).",
+            counters.report_failures_total,
+        ),
+        (
+            "hpsim_tier_catalog_reports_received_total",
+            "Reports received as a home.",
+            counters.reports_received_total,
+        ),
+        (
+            "hpsim_tier_catalog_fallbacks_total",
+            "Questions no home answered: every agent was asked instead.",
+            counters.fallbacks_total,
+        ),
+    ]
+    return [Metric(name=name, kind="counter", help=text, value=value) for name, text, value in rows]
 
 
 def s3_metrics(tier: MemoryTier) -> list[Metric]:

@@ -18,6 +18,9 @@ How the cluster-wide view works (docs/memory-tier.md):
   fetches one, verifying its checksum; a corrupt copy is never served.
 - **latest** lists the steps for which every rank of the namespace (the metadata rank included) is
   held somewhere (:mod:`agents.catalog`), or committed on S3 (:mod:`agents.s3tier`).
+- **The namespace index** (:mod:`agents.homes`): two agents per namespace keep which node holds
+  which (rank, step); ``latest``, reads that miss here, deletes and drops of other saves ask one of
+  them instead of every agent, and fall back to asking every agent when neither answers.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from hyperpod_sim.agents.clock import SYSTEM_CLOCK, Clock
 from hyperpod_sim.agents.cluster import ClusterView
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
 from hyperpod_sim.agents.fastpath import FastPath
+from hyperpod_sim.agents.homes import NamespaceIndex
 from hyperpod_sim.agents.numbers import echo
 from hyperpod_sim.agents.replication import Replicator
 from hyperpod_sim.agents.s3.objects import S3Unavailable
@@ -76,6 +80,9 @@ from hyperpod_sim.contracts.agent_api import (
     agent_path,
 )
 from hyperpod_sim.contracts.agent_bodies import (
+    CatalogImages,
+    CatalogReported,
+    CatalogSteps,
     FastAborted,
     FastCommitted,
     FastLocation,
@@ -97,6 +104,8 @@ from hyperpod_sim.contracts.agent_bodies import (
     ShardIndex,
     ShardStored,
     SpareBuffer,
+    StepHolders,
+    problem_of,
 )
 from hyperpod_sim.contracts.limits import DEFAULT_MAX_FAST_LEASES, num_ranks_problem
 from hyperpod_sim.contracts.policy import NodePolicy
@@ -167,6 +176,7 @@ class MemoryTier:
         self.counters = TierCounters()
         self.cluster = ClusterView(state=state, control_plane=control_plane, peer_timeout_s=peer_timeout_s)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.index = NamespaceIndex(cluster=self.cluster, store=store, spawn=self._spawn)
         self.replicas = Replicator(
             cluster=self.cluster,
             store=store,
@@ -184,6 +194,7 @@ class MemoryTier:
             cluster=self.cluster,
             clock=clock,
             endpoint_override=s3_endpoint_override,
+            holders=self.index.holders,
         )
         self.drain_timeout_s = drain_timeout_s
         state.listeners.append(self._on_policy)
@@ -233,6 +244,7 @@ class MemoryTier:
         if response.status_code == 404:
             raise TierError(404, "NamespaceNotFound", f"namespace {name!r} does not exist")
         self.local_delete_namespace(name)
+        # Every agent's namespace cache is cleared too: a rare admin call, it asks every agent.
         await self.cluster.fan_out("DELETE", agent_path(INTERNAL_NAMESPACE_ROUTE, namespace=name))
         return NamespaceDeleted(deleted=name)
 
@@ -345,10 +357,13 @@ class MemoryTier:
             await self._replace_other_saves(key.namespace, key.step, info.save)
         self.s3.on_saved(namespace, key)
         await self.replicas.after_save(info)
+        # The homes know of this shard before the save is answered: the next `latest` through any
+        # agent sees it (a home that does not answer gets it later, or rebuilds).
+        await self.index.settle(key.namespace)
 
     async def _replace_other_saves(self, name: str, step: int, save: str) -> None:
         """The step's metadata of save ``save`` is committed here: every other save's shards of
-        the step go, on this node and on every other agent, so a step saved again replaces the
+        the step go, on this node and on every other agent holding some, so a step saved again replaces the
         earlier save whole. An agent that does not answer keeps its copies; readers use only the
         shards the committed metadata names (by checksum) in any case."""
         dropped = self.store.drop_other_saves(name, step, save)
@@ -362,11 +377,16 @@ class MemoryTier:
             self._spawn(self._drop_on_peers_later(name, step, save))
 
     async def _drop_on_peers(self, name: str, step: int, save: str) -> list[str]:
-        """Ask every other agent to drop the other saves of the step; the nodes that did not."""
+        """Ask the other agents that hold something of the step (the namespace index says which;
+        every other agent when no home answers) to drop its other saves; the nodes that did not."""
         path = agent_path(INTERNAL_SAVES_ROUTE, namespace=name, step=step)
-        answers = await self.cluster.fan_out("POST", f"{path}?{urlencode({SAVE_PARAMETER: save})}")
+        holders = await self.index.holders(name, step)
+        answers = await self.cluster.fan_out(
+            "POST", f"{path}?{urlencode({SAVE_PARAMETER: save})}", only=holders
+        )
         done = {node for node, response in answers if response.status_code == 200}
-        return sorted(set(await self.cluster.members()) - done)
+        asked = set(await self.cluster.members()) if holders is None else set(holders)
+        return sorted(asked - done)
 
     async def _drop_on_peers_later(self, name: str, step: int, save: str) -> None:
         for wait_s in DROP_RETRY_WAITS_S:
@@ -394,6 +414,7 @@ class MemoryTier:
             log.info("replica of %s kept without retention: %s", key, exc)
         else:
             self.store.enforce_retention(name, namespace.steps_retained, protect=lambda: {(name, key.step)})
+        await self.index.settle(name)  # a replica answered is known to the homes (a sync save's too)
         return ReplicaStored(size=info.size)
 
     # ------------------------------------------------------------------ same-host fast path
@@ -569,9 +590,18 @@ class MemoryTier:
         return ShardCopy(body=view, checksum=info.checksum, tier=tier_of(info), on_sent=sent, save=info.save)
 
     async def _remote_copy(self, key: ShardKey, *, checksum: str | None = None) -> ShardCopy | None:
+        """A good copy from another agent: from the nodes that the namespace index says hold it
+        (own copies first, then replicas: a dead holder fails fast and the next is tried), or,
+        when no home answers, from every other agent in turn."""
         path = agent_path(INTERNAL_SHARD_ROUTE, namespace=key.namespace, rank=key.rank, step=key.step)
         params = {} if checksum is None else {CHECKSUM_PARAMETER: checksum}
-        for node_id, endpoint in (await self.cluster.members(refresh=True)).items():
+        holders = await self.index.holders(key.namespace, key.step, key.rank)
+        if holders is None:
+            candidates = await self.cluster.members(refresh=True)
+        else:
+            known = await self.cluster.recent_members()
+            candidates = {node_id: known[node_id] for node_id in holders if node_id in known}
+        for node_id, endpoint in candidates.items():
             try:
                 response = await self.cluster.peers.get(
                     f"{endpoint}{path}", headers=self.cluster.token_header(), params=params
@@ -592,10 +622,12 @@ class MemoryTier:
 
     async def delete_shard(self, name: str, rank: str, step: str) -> ShardDeleted:
         _, key = await self._key(name, rank, step)
+        holders = await self.index.holders(name, key.step, key.rank)
         found = self.store.delete(key)
         path = agent_path(INTERNAL_SHARD_ROUTE, namespace=name, rank=key.rank, step=key.step)
-        for _, response in await self.cluster.fan_out("DELETE", path):
+        for _, response in await self.cluster.fan_out("DELETE", path, only=holders):
             found = found or response.status_code == 200
+        await self.index.settle(name)
         if not found:
             raise TierError(
                 404, "ShardNotFound", f"rank {key.rank} step {key.step} of {name!r} is not stored"
@@ -605,7 +637,8 @@ class MemoryTier:
     # ------------------------------------------------------------------ latest
 
     async def complete_steps(self, name: str) -> list[int]:
-        return await catalog.cluster_complete_steps(self.cluster, self.store, name)
+        """The complete steps of ``name`` in memory across the cluster, newest first."""
+        return list(await self._memory_steps(name))
 
     async def latest(self, name: str, *, limit: int) -> list[int]:
         """What the library asks: the newest steps saved at the namespace's own world size (its
@@ -620,9 +653,7 @@ class MemoryTier:
         """The newest ``limit`` complete steps (in memory or on S3) of every world size, each with
         the world size of the job that saved it (``wanted``: of that world size only)."""
         checked_namespace(name)
-        memory, durable = await asyncio.gather(
-            catalog.cluster_steps(self.cluster, self.store, name), self.s3.committed_steps(name)
-        )
+        memory, durable = await asyncio.gather(self._memory_steps(name), self.s3.committed_steps(name))
         sizes: dict[int, int] = {}
         for step in sorted(set(memory) | set(durable), reverse=True):
             if len(sizes) >= max(limit, 0):
@@ -632,6 +663,15 @@ class MemoryTier:
                 sizes[step] = size
         return LatestSteps(steps=tuple(sizes), world_sizes=sizes)
 
+    async def _memory_steps(self, name: str) -> dict[int, int]:
+        """The complete steps in memory with their world sizes, newest first: from a home of the
+        namespace index, else from every agent's index (the fan-out)."""
+        namespace = await self.cluster.namespace(name)
+        found = await self.index.steps(name, namespace.num_ranks)
+        if found is not None:
+            return found
+        return await catalog.cluster_steps(self.cluster, self.store, name)
+
     async def persist(self, name: str, step: int, request: PersistRequest) -> PersistAnswer:
         """A peer's request to upload the ranks of a step that this agent holds."""
         return await self.s3.handle_persist(name, step, request)
@@ -639,7 +679,29 @@ class MemoryTier:
     # ------------------------------------------------------------------ internal (agent to agent)
 
     def local_index(self, name: str) -> ShardIndex:
-        return catalog.local_index(self.store.shards(name), self.state.node_id)
+        self.index.counters.index_answers_total += 1
+        return self.index.image(name)
+
+    def catalog_report(self, name: str, body: bytes) -> CatalogReported:
+        """A member's report of what it holds of ``name``, to this agent as a home of it."""
+        checked_namespace(name)
+        try:
+            image = ShardIndex.parse(body)
+        except ValueError as exc:
+            raise TierError(400, "InvalidReport", f"a report is a ShardIndex: {problem_of(exc)}") from exc
+        return self.index.receive(name, image)
+
+    async def catalog_steps(self, name: str, num_ranks: int) -> CatalogSteps:
+        checked_namespace(name)
+        return await self.index.steps_here(name, num_ranks)
+
+    async def catalog_images(self, name: str) -> CatalogImages:
+        checked_namespace(name)
+        return await self.index.images_here(name)
+
+    async def catalog_holders(self, name: str, step: str, rank: str | None) -> StepHolders:
+        key = parse_key(name, rank or "0", step)
+        return await self.index.holders_here(name, key.step, None if rank is None else key.rank)
 
     async def local_s3_steps(self, name: str) -> S3Steps:
         """The steps of ``name`` on S3 (with a marker, or written whole by the trainer through the
@@ -665,26 +727,31 @@ class MemoryTier:
             raise TierError(404, "ShardNotFound", "no good copy here")
         return local
 
-    def local_delete(self, name: str, rank: str, step: str) -> LocalDeleted:
+    async def local_delete(self, name: str, rank: str, step: str) -> LocalDeleted:
         key = parse_key(name, rank, step)
         if not self.store.delete(key):
             raise TierError(404, "ShardNotFound", "not stored here")
+        await self.index.settle(name)  # the homes know before the delete is answered
         return LocalDeleted()
 
-    def local_drop_other_saves(self, name: str, step: str, save: str) -> SavesDropped:
+    async def local_drop_other_saves(self, name: str, step: str, save: str) -> SavesDropped:
         """A peer committed the step's metadata of save ``save``: the shards of the step held
         here that belong to another save are removed."""
         key = parse_key(name, "0", step)
         dropped = self.store.drop_other_saves(name, key.step, save)
+        if dropped:
+            await self.index.settle(name)
         return SavesDropped(dropped=tuple(RankStep(rank=k.rank, step=k.step) for k in dropped))
 
     def local_delete_namespace(self, name: str) -> LocalNamespaceDeleted:
         self.cluster.forget(name)
+        self.index.forget(name)
         removed = self.store.delete_namespace(name)
         return LocalNamespaceDeleted(removed=removed)
 
     def local_reset(self) -> ResetDone:
         self.cluster.forget()
+        self.index.forget()
         self.store.clear()
         return ResetDone()
 
@@ -704,6 +771,9 @@ class MemoryTier:
         new = current.peer_ids
         added = [peer for peer in new if peer not in old]
         if previous is None:
+            # Its node id is known now: what it holds (adopted at a restart) goes to the homes,
+            # and every later change too.
+            self.index.start()
             # The first policy since this agent started: shards it found in shared memory may
             # have lost their replica in the crash that restarted it; check the peers' indexes.
             if new and any(info.replica_of is None for info in self.store.shards()):

@@ -38,6 +38,9 @@ from hyperpod_sim.contracts.agent_api import (
     FAST_RELEASE_ROUTE,
     FAST_RESERVE_ROUTE,
     FAST_SHARD_ROUTE,
+    IMAGES_PARAMETER,
+    INTERNAL_CATALOG_ROUTE,
+    INTERNAL_HOLDERS_ROUTE,
     INTERNAL_INDEX_ROUTE,
     INTERNAL_NAMESPACE_ROUTE,
     INTERNAL_PERSIST_ROUTE,
@@ -219,18 +222,27 @@ class TierRoutes:
             ("GET", INTERNAL_SHARD_ROUTE): lambda r, p: self._answer(
                 tier.local_shard(p["namespace"], p["rank"], p["step"], checksum=query_checksum(r))
             ),
-            ("POST", INTERNAL_SAVES_ROUTE): lambda r, p: self._now(
-                lambda: tier.local_drop_other_saves(p["namespace"], p["step"], required_save(r))
+            ("POST", INTERNAL_SAVES_ROUTE): lambda r, p: self._answer(
+                tier.local_drop_other_saves(p["namespace"], p["step"], required_save(r))
             ),
             ("PUT", INTERNAL_REPLICA_ROUTE): self._put_replica,
             ("POST", INTERNAL_PERSIST_ROUTE): self._persist,
-            ("DELETE", INTERNAL_SHARD_ROUTE): lambda r, p: self._now(
-                lambda: tier.local_delete(p["namespace"], p["rank"], p["step"])
+            ("DELETE", INTERNAL_SHARD_ROUTE): lambda r, p: self._answer(
+                tier.local_delete(p["namespace"], p["rank"], p["step"])
             ),
             ("DELETE", INTERNAL_NAMESPACE_ROUTE): lambda r, p: self._now(
                 lambda: tier.local_delete_namespace(p["namespace"])
             ),
             ("POST", INTERNAL_RESET_ROUTE): lambda r, p: self._now(tier.local_reset),
+            ("PUT", INTERNAL_CATALOG_ROUTE): self._catalog_report,
+            ("GET", INTERNAL_CATALOG_ROUTE): lambda r, p: self._answer(
+                tier.catalog_images(p["namespace"])
+                if query_flag(r, IMAGES_PARAMETER)
+                else tier.catalog_steps(p["namespace"], query_int(r, "num_ranks"))
+            ),
+            ("GET", INTERNAL_HOLDERS_ROUTE): lambda r, p: self._answer(
+                tier.catalog_holders(p["namespace"], p["step"], parse_qs(r.query).get("rank", [None])[0])
+            ),
         }
         return [(agent_route(method, template), handler) for (method, template), handler in table.items()]
 
@@ -264,6 +276,11 @@ class TierRoutes:
         owner = parse_qs(request.query).get(OWNER_PARAMETER, [None])[0]
         name, rank, step = parameters["namespace"], parameters["rank"], parameters["step"]
         return respond(await self.tier.put_replica(name, rank, step, BodyUpload(request), owner=owner))
+
+    async def _catalog_report(self, request: Request, parameters: Parameters) -> Response:
+        # A node holding every rank of a large namespace: 65,537 ranks of a few steps is a few MiB.
+        body = await request.read_body(limit=64 * 1024 * 1024)
+        return respond(self.tier.catalog_report(parameters["namespace"], body))
 
     async def _persist(self, request: Request, parameters: Parameters) -> Response:
         name = parameters["namespace"]

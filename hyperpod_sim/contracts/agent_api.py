@@ -8,6 +8,7 @@ templates are written once here; the ``*_path`` functions fill them in, each pat
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -160,6 +161,17 @@ INTERNAL_REPLICA_ROUTE = "/v1/internal/replicas/{namespace}/{rank}/{step}"  # PU
 INTERNAL_PERSIST_ROUTE = "/v1/internal/persist/{namespace}/{step}"  # POST a PersistRequest
 INTERNAL_NAMESPACE_ROUTE = "/v1/internal/namespaces/{namespace}"
 INTERNAL_RESET_ROUTE = "/v1/internal/reset"
+# The namespace index's homes (docs/memory-tier.md, "The namespace index"): PUT a ShardIndex (an
+# agent's report of what it holds of the namespace), GET ``?num_ranks=N`` its complete steps
+# (CatalogSteps) as the home sees them.
+INTERNAL_CATALOG_ROUTE = "/v1/internal/catalog/{namespace}"
+# GET ``[?rank=R]``: the nodes that hold the step (that rank of it, if named) as a home sees them.
+INTERNAL_HOLDERS_ROUTE = "/v1/internal/holders/{namespace}/{step}"
+# Of INTERNAL_CATALOG_ROUTE's GET (true: every member's image, CatalogImages; the control plane's
+# checkpoint listing asks it)
+IMAGES_PARAMETER = "images"
+# How many agents keep a namespace's index (its homes): one may be down, the other answers.
+NAMESPACE_HOMES = 2
 # POST ``?save=<id>``: the step's metadata of that save is committed; drop every other save's shards.
 INTERNAL_SAVES_ROUTE = "/v1/internal/saves/{namespace}/{step}"
 # The query parameter of a shard read (GET CP_SHARD_ROUTE, INTERNAL_SHARD_ROUTE) that asks for the
@@ -169,6 +181,22 @@ SAVE_PARAMETER = "save"  # of INTERNAL_SAVES_ROUTE and of FAST_COMMIT_ROUTE: the
 OWNER_PARAMETER = "owner"  # of INTERNAL_REPLICA_ROUTE: the node whose shard the replica is
 # Of CP_LATEST_ROUTE (true: every world size, each named; the SDK asks it, never the library)
 WORLD_SIZES_PARAMETER = "world_sizes"
+
+
+def _home_weight(namespace: str, node_id: str) -> int:
+    digest = hashlib.blake2b(f"{namespace}\x00{node_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def namespace_homes(namespace: str, node_ids: Iterable[str], count: int = NAMESPACE_HOMES) -> list[str]:
+    """The agents that keep ``namespace``'s index: the ``count`` members (node ids of the cluster's
+    member list, ``/agent/v1/clusters/{c}/members``) of highest weight for it (rendezvous hashing),
+    best first. Every agent, and the control plane, compute the same homes from the same members,
+    and a member joining or leaving moves only the namespaces whose homes it is or becomes."""
+    ranked = sorted(
+        set(node_ids), key=lambda node_id: (_home_weight(namespace, node_id), node_id), reverse=True
+    )
+    return ranked[:count]
 
 
 class AgentApi(StrEnum):
@@ -236,6 +264,9 @@ AGENT_ROUTES: tuple[AgentRoute, ...] = (
         ("POST", INTERNAL_PERSIST_ROUTE),
         ("DELETE", INTERNAL_NAMESPACE_ROUTE),
         ("POST", INTERNAL_RESET_ROUTE),
+        ("PUT", INTERNAL_CATALOG_ROUTE),
+        ("GET", INTERNAL_CATALOG_ROUTE),
+        ("GET", INTERNAL_HOLDERS_ROUTE),
     ),
 )
 

@@ -162,6 +162,39 @@ class ShardIndex(AgentBody):
     primary: dict[int, tuple[int, ...]] = {}
     replica: dict[int, tuple[int, ...]] = {}
     unused: dict[int, tuple[int, ...]] = {}
+    # Increases with every index the agent makes (across its restarts too): a home keeps the
+    # image with the highest, so an older one arriving late is ignored.
+    seq: int = 0
+
+
+class CatalogSteps(AgentBody):
+    """``GET /v1/internal/catalog/{namespace}?num_ranks=N``: the complete steps of the namespace
+    as a home of it sees them, newest first, each with the world size of the job that saved it."""
+
+    steps: tuple[int, ...]
+    world_sizes: dict[int, int]
+
+
+class CatalogImages(AgentBody):
+    """``GET /v1/internal/catalog/{namespace}?images=true``: every member's latest image of the
+    namespace as a home keeps them (the control plane's checkpoint listing)."""
+
+    images: tuple[ShardIndex, ...]
+
+
+class CatalogReported(AgentBody):
+    """``PUT /v1/internal/catalog/{namespace}``: whether the home kept the image (False: it held
+    a newer one of that node already)."""
+
+    kept: bool
+
+
+class StepHolders(AgentBody):
+    """``GET /v1/internal/holders/{namespace}/{step}[?rank=R]``: the nodes holding the step (that
+    rank of it), as a home sees them: ``primary`` its own shards, ``replica`` copies of others'."""
+
+    primary: tuple[str, ...]
+    replica: tuple[str, ...]
 
 
 class LatestSteps(AgentBody):

@@ -1,5 +1,7 @@
-"""An agent impostor on a loopback port: the ``/v1/cp`` protocol kept in a dict, and fast-path
-answers (a reservation, a shard's location) that name whatever file the test chooses.
+"""An agent impostor on a loopback port: the ``/v1/cp`` protocol kept in a dict, fast-path
+answers (a reservation, a shard's location) that name whatever file the test chooses, and a home
+of the namespace index (``/v1/internal/catalog``, ``/v1/internal/holders``) that answers from the
+reports it was sent (``reports``), whatever they claim.
 
 What a process that took an agent's port (or a trainer's ``HPSIM_AGENT_URL``) would answer; real
 HTTP, so the SDK is tested through its own client.
@@ -32,6 +34,7 @@ class FakeAgent:
         self.aborted: list[str] = []
         self.committed: list[str] = []
         self.reads: list[tuple[str, int, int]] = []  # shards read over HTTP
+        self.reports: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, node id) -> image
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -116,6 +119,29 @@ class FakeAgent:
                 }
             case "POST", ["v1", "fast", "release", _]:
                 return 200, {"released": True}
+            case "PUT", ["v1", "internal", "catalog", ns]:
+                report = json.loads(body)
+                older = self.reports.get((ns, report["node_id"]))
+                kept = older is None or older.get("seq", 0) < report.get("seq", 0)
+                if kept:
+                    self.reports[(ns, report["node_id"])] = report
+                return 200, {"kept": kept}
+            case "GET", ["v1", "internal", "catalog", ns]:
+                num_ranks = int(query["num_ranks"][0])
+                somewhere: dict[int, set[int]] = {}
+                for (name, _), image in self.reports.items():
+                    for held_step, listed in image["steps"].items() if name == ns else ():
+                        somewhere.setdefault(int(held_step), set()).update(listed)
+                whole = sorted((s for s, r in somewhere.items() if set(range(num_ranks)) <= r), reverse=True)
+                return 200, {"steps": whole, "world_sizes": dict.fromkeys(whole, num_ranks - 1)}
+            case "GET", ["v1", "internal", "holders", ns, step]:
+                holders: dict[str, list[str]] = {"primary": [], "replica": []}
+                for (name, node_id), image in self.reports.items():
+                    for kind in holders if name == ns else ():
+                        on_node = image.get(kind, {}).get(step, [])
+                        if on_node and ("rank" not in query or int(query["rank"][0]) in on_node):
+                            holders[kind].append(node_id)
+                return 200, holders
         return 404, {"error": "NoSuchRoute"}
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -142,6 +168,6 @@ class FakeAgent:
                 self.end_headers()
                 self.wfile.write(data)
 
-            do_GET = do_POST = _serve  # noqa: N815
+            do_GET = do_POST = do_PUT = _serve  # noqa: N815
 
         return Handler

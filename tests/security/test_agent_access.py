@@ -53,6 +53,10 @@ PEER_ATTACKS: list[tuple[str, str, dict[str, Any]]] = [
     ("POST", "/v1/internal/reset", {}),
     ("PUT", "/v1/internal/replicas/job/0/1", {"content": b"evil", "headers": {"Shard-Meta": meta(b"evil")}}),
     ("GET", "/v1/internal/shards/job/0/1", {}),
+    # A forged report would make a home of the namespace index name copies that do not exist.
+    ("PUT", "/v1/internal/catalog/job", {"content": b'{"node_id": "i-x", "steps": {"1": [0]}, "seq": 1}'}),
+    ("GET", "/v1/internal/catalog/job", {"params": {"num_ranks": 2}}),
+    ("GET", "/v1/internal/holders/job/1", {}),
 ]
 
 

@@ -280,8 +280,8 @@ def prepare() -> None:
     from pydantic import SecretStr, ValidationError
 
     import hyperpod_sim.agents.main  # noqa: F401
-    from hyperpod_sim.agents import tls
     from hyperpod_sim.agents.config import AgentSettings
+    from hyperpod_sim.agents.http import tls
 
     # boto3 comes only when an agent's S3 tier makes its first call; imported here, its modules
     # are shared (measured, 8 children building an S3 client: 26.8 MiB PSS each, 36.0 when each

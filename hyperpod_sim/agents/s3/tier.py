@@ -30,7 +30,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -122,8 +122,12 @@ class S3Tier:
         clock: Clock = SYSTEM_CLOCK,
         endpoint_override: str | None = None,
         upload_workers: int = 4,
+        holders: Callable[[str, int], Awaitable[list[str] | None]] | None = None,
     ) -> None:
+        """``holders(namespace, step)``: the other nodes holding something of the step (the
+        namespace index), None when it cannot tell; persist requests go to those only."""
         self._state = state
+        self._holders = holders
         self.store = store
         self._cluster = cluster
         self._clock = clock
@@ -459,16 +463,18 @@ class S3Tier:
     async def _ask_peers(
         self, target: S3Target, name: str, step: int, ranks: list[int], *, replicas: bool, save: str | None
     ) -> tuple[list[ShardObject], list[str]]:
-        """Ask every other agent to upload the listed ranks it holds (primaries, or any copy), of
-        save ``save`` if named."""
+        """Ask the other agents that hold something of the step (every other agent when the
+        namespace index cannot tell) to upload the listed ranks they hold (primaries, or any
+        copy), of save ``save`` if named."""
         if not ranks:
             return [], []
+        holders = None if self._holders is None else await self._holders(name, step)
         path = agent_path(INTERNAL_PERSIST_ROUTE, namespace=name, step=step)
         body = PersistRequest(base_uri=target.base_uri, ranks=tuple(ranks), replicas=replicas, save=save)
         results: list[ShardObject] = []
         problems: list[str] = []
         for node_id, response in await self._cluster.fan_out(
-            "POST", path, json_body=body.document(), timeout=PEER_PERSIST_TIMEOUT
+            "POST", path, json_body=body.document(), timeout=PEER_PERSIST_TIMEOUT, only=holders
         ):
             if response.status_code != 200:
                 problems.append(f"{node_id}: {response.status_code} {response.text[:200]}")

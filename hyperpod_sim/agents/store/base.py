@@ -91,6 +91,12 @@ class StoreState:
     # inode -> readers in this process (replication, S3 uploads, responses): not recycled.
     _pins: dict[int, int]
     _counters: StoreCounters
+    # Called with a namespace whenever a shard of it comes or goes (under the lock, from any thread).
+    _watchers: list[Callable[[str], None]]
+
+    def _touched(self, namespace: str) -> None:
+        for watcher in self._watchers:
+            watcher(namespace)
 
     def _in_use_locked(self) -> int:
         return self._committed_bytes + self._reserved_bytes + self._spare_bytes + self._preparing_bytes
@@ -100,6 +106,7 @@ class StoreState:
         entry = self._index.pop(key, None)
         if entry is None:
             return False
+        self._touched(key.namespace)
         self._committed_bytes -= entry.info.size
         entry.info.path.unlink(missing_ok=True)
         entry.info.path.with_suffix(META_SUFFIX).unlink(missing_ok=True)

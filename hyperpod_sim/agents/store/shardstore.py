@@ -84,11 +84,18 @@ class ShardStore(SpareRotation, StoreRecovery):
         self._ahead_ranks = set()
         self._pins = {}
         self._counters = StoreCounters()
+        self._watchers = []
         self._real_root = private_directory(self._root)
         info = os.lstat(self._real_root)
         self._root_id = (info.st_dev, info.st_ino)
         self._seal = Seal(load_key(self._real_root if key_dir is None else private_directory(key_dir)))
         self._recover()
+
+    def watch(self, watcher: Callable[[str], None]) -> None:
+        """Call ``watcher(namespace)`` whenever a shard of the namespace is committed or removed
+        (eviction, retention, deletes included). It runs under the store's lock, in whatever
+        thread changed the store: it must only hand the news on (``call_soon_threadsafe``)."""
+        self._watchers.append(watcher)
 
     # -- properties
 
@@ -311,6 +318,7 @@ class ShardStore(SpareRotation, StoreRecovery):
                 reservation.buffer_id,
             )
             self._index[key] = entry
+            self._touched(key.namespace)
             self._committed_bytes += record.size
             self._counters.bytes_written_total += record.size
             if replica_of is None:

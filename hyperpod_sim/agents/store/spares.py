@@ -89,6 +89,7 @@ class SpareRotation(StoreState):
         except OSError:
             return False
         del self._index[key]
+        self._touched(key.namespace)
         self._committed_bytes -= entry.info.size
         entry.info.path.with_suffix(META_SUFFIX).unlink(missing_ok=True)
         self._add_spare_locked(

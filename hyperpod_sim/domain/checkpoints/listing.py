@@ -2,12 +2,16 @@
 ``GET /clusters/{name}/checkpoints``).
 
 The control plane knows the namespaces (domain/nodes/agents.py) and every node's agent, but only the
-agents know which shards they hold. A listing asks the agent of every Running node, in parallel
-and with a short timeout, for its index of each namespace (``GET /v1/internal/index/{ns}``: the
-ranks it holds per step, as the primary copy or as a replica of another node's), then one agent
-that answered for the steps committed on S3 (``GET /v1/internal/s3-steps/{ns}``). An agent that
-does not answer is left out and named in ``unreachable``: its shards are missing from the view,
-though their replicas on other nodes still show.
+agents know which shards they hold. A listing checks that the agent of every Running node answers
+(``GET /health``, in parallel, with a short timeout), then asks a home of each namespace's index
+(docs/memory-tier.md, "The namespace index": ``contracts.agent_api.namespace_homes`` over the
+members) for every member's index of it (``GET /v1/internal/catalog/{ns}?images=true``: the ranks
+each node holds per step, as the primary copy or as a replica of another node's); when neither
+home answers, every agent that answered for its own index (``GET /v1/internal/index/{ns}``). Then
+one agent for the steps committed on S3 (``GET /v1/internal/s3-steps/{ns}``). An agent that does
+not answer is left out and named in ``unreachable``: its shards are missing from the view, though
+their replicas on other nodes still show. So a listing costs one request per node and one per
+namespace, not one per node and namespace.
 
 "Not on S3" and "S3 unreachable" are told apart: when no agent could list S3 (S3 itself is down,
 e.g. the embedded SeaweedFS restarting, or no agent answered), a namespace's steps say ``S3:
@@ -24,15 +28,23 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, INTERNAL_S3_STEPS_ROUTE, agent_path
-from hyperpod_sim.contracts.agent_bodies import S3Steps, ShardIndex
+from hyperpod_sim.contracts.agent_api import (
+    HEALTH_PATH,
+    IMAGES_PARAMETER,
+    INTERNAL_CATALOG_ROUTE,
+    INTERNAL_INDEX_ROUTE,
+    INTERNAL_S3_STEPS_ROUTE,
+    agent_path,
+    namespace_homes,
+)
+from hyperpod_sim.contracts.agent_bodies import CatalogImages, S3Steps, ShardIndex
 from hyperpod_sim.contracts.s3layout import WRITTEN_BY_AGENTS, WRITTEN_BY_TRAINER
 from hyperpod_sim.contracts.shards import step_world_size
 from hyperpod_sim.domain.checkpoints.agent_client import AgentConnection, AgentUnreachable
 from hyperpod_sim.domain.checkpoints.cluster_policy import CheckpointPolicy
 from hyperpod_sim.domain.checkpoints.node_policy import ring
 from hyperpod_sim.domain.cluster_reads import get_cluster
-from hyperpod_sim.domain.lifecycle import NodeStatus
+from hyperpod_sim.domain.lifecycle import LEAVING, LIVE, NodeStatus
 from hyperpod_sim.models import CheckpointNamespace, Cluster, Database
 
 
@@ -187,6 +199,10 @@ class CheckpointCatalog:
             cluster_name, token = cluster.name, cluster.token
             running = [n for n in cluster.nodes if n.status == NodeStatus.RUNNING and n.endpoint]
             agents = [(n.id, str(n.endpoint)) for n in ring(cluster, running)]
+            # The member list the agents compute a namespace's homes from (``/members``).
+            members = [
+                n.id for n in cluster.nodes if n.endpoint and (n.status in LIVE or n.status in LEAVING)
+            ]
             has_s3 = CheckpointPolicy.from_stored(cluster.checkpoint_policy).s3_base_uri is not None
             namespaces = [
                 _Namespace(n.name, n.num_ranks, n.steps_retained)
@@ -198,12 +214,17 @@ class CheckpointCatalog:
             ]
         if not namespaces:
             return ClusterCheckpoints(cluster_name, [], [])
-        answers = list(self._pool.map(lambda agent: self._indexes(agent[1], namespaces, token), agents))
-        reachable = [
-            (agent, found) for agent, found in zip(agents, answers, strict=True) if found is not None
-        ]
-        unreachable = [node_id for (node_id, _), found in zip(agents, answers, strict=True) if found is None]
-        endpoints = [endpoint for (_, endpoint), _ in reachable]
+        alive = list(self._pool.map(lambda agent: self._answers(agent[1], token), agents))
+        live = [agent for agent, ok in zip(agents, alive, strict=True) if ok]
+        unreachable = [node_id for (node_id, _), ok in zip(agents, alive, strict=True) if not ok]
+        from_homes = list(self._pool.map(lambda ns: self._from_homes(ns, members, live, token), namespaces))
+        missing = [ns for ns, found in zip(namespaces, from_homes, strict=True) if found is None]
+        # Namespaces no home answered for: every live agent's own index, as before the index.
+        asking = live if missing else []
+        asked = list(self._pool.map(lambda agent: self._indexes(agent[1], missing, token), asking))
+        reachable = [(agent, found) for agent, found in zip(asking, asked, strict=True) if found is not None]
+        unreachable += [node_id for (node_id, _), found in zip(asking, asked, strict=True) if found is None]
+        endpoints = [endpoint for _, endpoint in live]
         s3_steps: list[_S3Listing] = [_S3Listing({}) for _ in namespaces]
         if has_s3 and endpoints:
             s3_steps = list(self._pool.map(lambda ns: self._s3_steps(endpoints, ns.name, token), namespaces))
@@ -211,10 +232,46 @@ class CheckpointCatalog:
             nobody = _S3Listing({}, "S3 was not listed: no agent of the cluster answered")
             s3_steps = [nobody for _ in namespaces]
         listed = [
-            _locate(ns, [(node_id, found[ns.name]) for (node_id, _), found in reachable], on_s3)
-            for ns, on_s3 in zip(namespaces, s3_steps, strict=True)
+            _locate(
+                ns,
+                homed
+                if homed is not None
+                else [(node_id, found[ns.name]) for (node_id, _), found in reachable],
+                on_s3,
+            )
+            for ns, homed, on_s3 in zip(namespaces, from_homes, s3_steps, strict=True)
         ]
-        return ClusterCheckpoints(cluster_name, listed, unreachable)
+        return ClusterCheckpoints(cluster_name, listed, list(dict.fromkeys(unreachable)))
+
+    def _answers(self, endpoint: str, token: str) -> bool:
+        try:
+            with AgentConnection(endpoint, token=token, timeout=self.config.agent_timeout_s) as agent:
+                return agent.call("GET", HEALTH_PATH).status == 200
+        except AgentUnreachable:
+            return False
+
+    def _from_homes(
+        self, namespace: _Namespace, members: list[str], live: list[tuple[str, str]], token: str
+    ) -> list[tuple[str, ShardIndex]] | None:
+        """Every live agent's index of ``namespace`` (in ring order) as a home of it keeps them;
+        None when no home answers (down, or not a home by its own member list)."""
+        endpoints = dict(live)
+        for home in namespace_homes(namespace.name, members):
+            if home not in endpoints:
+                continue
+            path = agent_path(INTERNAL_CATALOG_ROUTE, namespace=namespace.name)
+            try:
+                with AgentConnection(
+                    endpoints[home], token=token, timeout=self.config.agent_timeout_s
+                ) as agent:
+                    answer = agent.call("GET", f"{path}?{IMAGES_PARAMETER}=true")
+                if answer.status != 200:
+                    continue
+                images = {image.node_id: image for image in CatalogImages.parse(answer.text).images}
+            except (AgentUnreachable, ValueError):  # a ValidationError (off the contract) is a ValueError
+                continue
+            return [(node_id, images[node_id]) for node_id, _ in live if node_id in images]
+        return None
 
     def _indexes(
         self, endpoint: str, namespaces: list[_Namespace], token: str
