@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
+from typing import NamedTuple, Protocol, TypeVar
 
 from hyperpod_sim.contracts.policy import (
     CheckpointAccess,
@@ -24,7 +26,34 @@ from hyperpod_sim.domain.instance_types import instance_memory_bytes
 from hyperpod_sim.models import Cluster, Node
 
 
-def ring(cluster: Cluster, nodes: Sequence[Node]) -> list[Node]:
+class RingMember(Protocol):
+    """What the ring orders a node by: a ``Node``, or a ``RingRow`` read without the rest."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def group_name(self) -> str: ...
+    @property
+    def slot(self) -> int: ...
+    @property
+    def launch_time(self) -> datetime: ...
+
+
+class RingRow(NamedTuple):
+    """A node's columns that the ring and the agents' members call need, read as one row."""
+
+    id: str
+    group_name: str
+    slot: int
+    launch_time: datetime
+    status: str
+    endpoint: str | None
+
+
+M = TypeVar("M", bound=RingMember)
+
+
+def ring(cluster: Cluster, nodes: Sequence[M]) -> list[M]:
     """The cluster's nodes in a stable ring order: group position, then slot in the group (a
     replacement takes the slot, so the ring position, of the node it replaces)."""
     position = {group.name: group.position for group in cluster.instance_groups}
@@ -40,7 +69,12 @@ def memory_budget_bytes(cluster: Cluster, instance_type: str, memory_scale: floa
 
 
 def build_policy(
-    cluster: Cluster, node: Node, members: Sequence[Node], *, memory_scale: float, s3_endpoint: S3Endpoint
+    cluster: Cluster,
+    node: Node,
+    members: Sequence[RingMember],
+    *,
+    memory_scale: float,
+    s3_endpoint: S3Endpoint,
 ) -> NodePolicy:
     """The policy of ``node``, given the cluster's live members (the replica ring). Its
     ``document()`` is what the node's agent gets."""
@@ -52,7 +86,7 @@ class PolicyBuilder:
     faults, access) worked out once, so that a rollout to n nodes costs O(n), not O(n²)."""
 
     def __init__(
-        self, cluster: Cluster, members: Sequence[Node], *, memory_scale: float, s3_endpoint: S3Endpoint
+        self, cluster: Cluster, members: Sequence[RingMember], *, memory_scale: float, s3_endpoint: S3Endpoint
     ) -> None:
         self.cluster = cluster
         self.memory_scale = memory_scale

@@ -17,8 +17,9 @@ import hmac
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import and_, delete, func, or_, select
 from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.sql import ColumnElement
 
 from hyperpod_sim.contracts.limits import (
     DEFAULT_MAX_NAMESPACE_RANKS,
@@ -29,7 +30,7 @@ from hyperpod_sim.contracts.limits import (
 )
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.checkpoints.cluster_policy import CheckpointPolicy, S3Endpoint
-from hyperpod_sim.domain.checkpoints.node_policy import build_policy, ring
+from hyperpod_sim.domain.checkpoints.node_policy import RingRow, build_policy, ring
 from hyperpod_sim.domain.errors import AgentProtocolError
 from hyperpod_sim.domain.events import Level
 from hyperpod_sim.domain.lifecycle import LEAVING, LIVE, NodeStatus
@@ -85,12 +86,12 @@ class AgentService(DomainService):
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
-    def _cluster(session: Session, name: str, *, lock: bool = False) -> Cluster:
-        query = (
-            select(Cluster)
-            .where(Cluster.name == name)
-            .options(selectinload(Cluster.instance_groups), selectinload(Cluster.nodes))
-        )
+    def _cluster(session: Session, name: str, *, lock: bool = False, nodes: bool = False) -> Cluster:
+        """The cluster ``name`` (``lock``: its row locked), with its node set loaded only when
+        ``nodes``: agents call every few seconds each, and a 1,024-node cluster's rows cost a call
+        tens of milliseconds that most calls do not need."""
+        loads = [selectinload(Cluster.instance_groups)] + ([selectinload(Cluster.nodes)] if nodes else [])
+        query = select(Cluster).where(Cluster.name == name).options(*loads)
         if lock:
             query = query.with_for_update()
         cluster = session.scalars(query).one_or_none()
@@ -99,10 +100,10 @@ class AgentService(DomainService):
         return cluster
 
     @staticmethod
-    def _node(cluster: Cluster, node_id: str) -> Node:
-        for node in cluster.nodes:
-            if node.id == node_id and node.status != NodeStatus.SHUTTING_DOWN:
-                return node
+    def _node(session: Session, cluster: Cluster, node_id: str) -> Node:
+        node = session.get(Node, node_id)
+        if node is not None and node.cluster_id == cluster.id and node.status != NodeStatus.SHUTTING_DOWN:
+            return node
         raise AgentProtocolError(
             404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster.name}'."
         )
@@ -160,8 +161,22 @@ class AgentService(DomainService):
             404, "NodeNotFound", f"Node {node_id} is not a node of cluster '{cluster_name}'."
         )
 
-    def policy_for(self, cluster: Cluster, node: Node) -> dict[str, Any]:
-        members = [n for n in cluster.nodes if n.status in LIVE]
+    @staticmethod
+    def _ring_members(session: Session, cluster: Cluster, *, leaving: bool = False) -> list[RingRow]:
+        """The cluster's live nodes (``leaving``: and those shutting down or moving away whose
+        agent registered) in ring order, as light rows: what the ring and the members call need."""
+        alive: ColumnElement[bool] = Node.status.in_(LIVE)
+        if leaving:
+            alive = or_(alive, and_(Node.status.in_(LEAVING), Node.endpoint.is_not(None)))
+        rows = session.execute(
+            select(Node.id, Node.group_name, Node.slot, Node.launch_time, Node.status, Node.endpoint).where(
+                Node.cluster_id == cluster.id, alive
+            )
+        ).all()
+        return ring(cluster, [RingRow(*row) for row in rows])
+
+    def policy_for(self, session: Session, cluster: Cluster, node: Node) -> dict[str, Any]:
+        members = self._ring_members(session, cluster)
         return build_policy(
             cluster,
             node,
@@ -195,7 +210,7 @@ class AgentService(DomainService):
         with self.db.write() as session:
             cluster = self._cluster_or_refusal(session, cluster_name, token, node_id)
             if node_id is not None:
-                node = self._launched_node(cluster, node_id, token)
+                node = self._launched_node(session, cluster, node_id, token)
             else:
                 node = self._pending_slot(cluster, token)
             # Its agent registered before (a restart of the agent, not of the machine: a reboot
@@ -228,7 +243,7 @@ class AgentService(DomainService):
                 "control_plane_token": control_plane_token,
                 "cluster_token": cluster.token,
                 "heartbeat_interval_s": self.config.pacing.interval(),
-                "policy": self.policy_for(cluster, node),
+                "policy": self.policy_for(session, cluster, node),
             }
         self.on_change()
         return answer
@@ -240,7 +255,8 @@ class AgentService(DomainService):
         existing cluster gives a caller without valid credentials (no token: 401; a node id: 404
         NodeNotFound, as an unknown node; else 403, as a wrong bootstrap token)."""
         try:
-            return self._cluster(session, cluster_name, lock=True)
+            # An external agent takes a pending slot: the node set is read for it.
+            return self._cluster(session, cluster_name, lock=True, nodes=node_id is None)
         except AgentProtocolError:
             if not token:
                 raise _missing_token(
@@ -250,11 +266,11 @@ class AgentService(DomainService):
                 raise self._node_gone(cluster_name, node_id) from None
             raise _not_the_bootstrap_token() from None
 
-    def _launched_node(self, cluster: Cluster, node_id: str, token: str | None) -> Node:
+    def _launched_node(self, session: Session, cluster: Cluster, node_id: str, token: str | None) -> Node:
         """The node the local provisioner launched an agent for, if ``token`` is its launch secret."""
         if not token:
             raise _missing_token("the node's launch secret")
-        node = self._node(cluster, node_id)
+        node = self._node(session, cluster, node_id)
         if not credentials.matches(token, node.launch_secret_hash):
             why = (
                 "which this is not"
@@ -401,7 +417,7 @@ class AgentService(DomainService):
         with self.db.read() as session:
             self._own_node(session, cluster_name, node_id, token)
             cluster = self._cluster(session, cluster_name)
-            return self.policy_for(cluster, self._node(cluster, node_id))
+            return self.policy_for(session, cluster, self._node(session, cluster, node_id))
 
     def _cluster_for(
         self, session: Session, cluster_name: str, token: str | None, *, lock: bool = False
@@ -416,11 +432,6 @@ class AgentService(DomainService):
             # Shutting-down nodes too (and nodes moving away, MoveClusterNodes): their agents are
             # draining to S3 and still answer their peers (a persist asks every agent for the ranks
             # it holds) until they exit.
-            live = [
-                n
-                for n in cluster.nodes
-                if n.status in LIVE or (n.status in LEAVING and n.endpoint is not None)
-            ]
             return {
                 "members": [
                     {
@@ -429,7 +440,7 @@ class AgentService(DomainService):
                         "status": n.status,
                         "endpoint": n.endpoint,
                     }
-                    for n in ring(cluster, live)
+                    for n in self._ring_members(session, cluster, leaving=True)
                 ]
             }
 
