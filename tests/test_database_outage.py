@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from botocore.exceptions import ClientError
+from sqlalchemy.exc import OperationalError
 
+from hyperpod_sim.domain.cluster_reads import describe
+from hyperpod_sim.domain.errors import ResourceNotFound
+from hyperpod_sim.models.db import Database, Timeouts
 from hyperpod_sim.sdk.client import ClusterError, HyperPodClient
 from tests.conftest import EKS, ControlPlane, group, wait_for
 from tests.faults import descriptions, node_status
@@ -212,3 +217,21 @@ def test_the_cli_starts_shows_and_ends_an_outage(control_plane: ControlPlane) ->
     assert ok(hpsim(url, "fault", "database", "--end")) == f"{fault_id} (DatabaseOutage) cleared\n"
     assert httpx.get(f"{url}/health").status_code == 200
     assert ok(hpsim(url, "fault", "database")) == quiet
+
+
+def test_no_free_connection_for_describe_cluster_is_an_outage_not_a_crash(tmp_path: Path) -> None:
+    """DescribeCluster reads through a Core connection of its own: with every pooled connection
+    held (1,024 agents registering at once did it), it fails as every read does, with the
+    OperationalError the API answers 503 ServiceUnavailable, and the outage is noted."""
+    db = Database(f"sqlite:///{tmp_path / 'db.sqlite'}", timeouts=Timeouts(pool_s=0.1))
+    db.migrate()
+    held = [db.engine.connect() for _ in range(16 + 10)]  # the pool's size and overflow
+    try:
+        with pytest.raises(OperationalError, match="no database connection came free"):
+            describe(db, "any")
+        assert db.unavailable_ago() is not None
+    finally:
+        for conn in held:
+            conn.close()
+    with pytest.raises(ResourceNotFound):  # answers again once a connection is free
+        describe(db, "any")

@@ -1,5 +1,7 @@
-"""Heartbeats at scale: each agent's interval grows past ``heartbeat_full_rate_nodes`` agents, the
-heartbeat timeout with it, and agents follow the interval the control plane answers."""
+"""A control plane of many agents: each agent's heartbeat interval grows past
+``heartbeat_full_rate_nodes`` agents, the heartbeat timeout with it, and agents follow the interval
+the control plane answers; registrations past a few at once are refused at once with a
+``Retry-After`` that agents wait."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pydantic import SecretStr
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
 from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
 from hyperpod_sim.agents.state import AgentState
+from hyperpod_sim.api.agent_routes import Admission
 from hyperpod_sim.domain.nodes.pacing import MISSES, HeartbeatPacing
 from tests.agents import create_tiered, nodes, wait_status
 from tests.conftest import ControlPlane, wait_for
@@ -132,3 +135,77 @@ def test_agents_of_a_cluster_past_the_full_rate_heartbeat_less_often(agent_plane
     wait_for(lambda: all(interval(e) == pytest.approx(0.4) for e in endpoints), timeout=30)
     # The nodes stay Running through it.
     assert {n["InstanceStatus"]["Status"] for n in nodes(agent_plane, "paced")} == {"Running"}
+
+
+# ---------------------------------------------------------------------- registrations at once
+
+
+def test_registrations_past_the_limit_are_refused_at_once_with_a_growing_wait() -> None:
+    admission = Admission(2, per_second=4)
+    assert admission.enter()
+    assert admission.enter()
+    refusals = []
+    for _ in range(9):
+        assert not admission.enter()
+        refusals.append(admission.refusal())
+    assert {r.status_code for r in refusals} == {503}
+    waits = [int(r.headers["Retry-After"]) for r in refusals]
+    assert waits[0] == 1
+    assert waits[-1] == 1 + 9 // 4  # the crowd of the last second spreads wider
+    assert b"ServiceUnavailable" in bytes(refusals[0].body)
+    admission.leave()
+    assert admission.enter()  # a place came free
+
+
+def _registration_waits(answer: httpx.Response) -> list[float]:
+    """The waits of an agent loop whose first registration is answered ``answer``, the second
+    registers it, and whose node is then gone."""
+    registered = httpx.Response(
+        200,
+        json={
+            "node_id": "i-0",
+            "cluster_token": "c",
+            "node_token": "n",
+            "control_plane_token": "p",
+            "policy": None,
+        },
+    )
+    answers = [answer, registered, httpx.Response(404, json={"error": "NotFound", "message": "gone"})]
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async def scenario() -> LoopOutcome:
+        transport = httpx.MockTransport(lambda request: answers.pop(0))
+        async with ControlPlaneClient(
+            base_url="http://cp", cluster="x", timeout_s=1, transport=transport
+        ) as client:
+            loop = AgentLoop(
+                state=AgentState(cluster="x", node_id="i-0"),
+                client=client,
+                identity=Identity(endpoint="http://127.0.0.1:1", pid=1, instance_type=None, memory_bytes=0),
+                token=SecretStr("launch"),
+                heartbeat_interval_s=1.0,
+                adopt_control_plane_interval=False,
+                backoff=Backoff(initial_s=0.1, max_s=2.0),
+                permanent_retry_s=5.0,
+                sleep=sleep,
+            )
+            return await loop.run()
+
+    assert asyncio.run(scenario()) is LoopOutcome.NODE_DELETED
+    return slept[:1]
+
+
+def test_an_agent_waits_what_a_busy_control_plane_asks_spread_up_to_twice() -> None:
+    busy = httpx.Response(
+        503, headers={"Retry-After": "7"}, json={"error": "ServiceUnavailable", "message": "busy"}
+    )
+    (wait,) = _registration_waits(busy)
+    assert 7.0 <= wait <= 14.0
+    # Without Retry-After (or with one off its format) the backoff alone decides.
+    for headers in ({}, {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, {"Retry-After": "-3"}):
+        plain = httpx.Response(503, headers=headers, json={"error": "ServiceUnavailable", "message": "x"})
+        (wait,) = _registration_waits(plain)
+        assert wait <= 0.1

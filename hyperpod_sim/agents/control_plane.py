@@ -42,10 +42,19 @@ class Reply:
     failure: Failure | None = None
     status: int | None = None
     message: str = ""
+    retry_after_s: float | None = None  # a 503's or 429's Retry-After: the least wait asked
 
     @property
     def ok(self) -> bool:
         return self.failure is None
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """A busy control plane's ``Retry-After`` in seconds (whole seconds, at most an hour), if any."""
+    value = response.headers.get("retry-after", "")
+    if response.status_code not in (429, 503) or not value.isascii() or not value.isdigit():
+        return None
+    return min(float(value), 3600.0)
 
 
 def _classify(status: int) -> Failure:
@@ -173,6 +182,7 @@ class ControlPlaneClient:
                 failure=_classify(response.status_code),
                 status=response.status_code,
                 message=_error_text(response),
+                retry_after_s=_retry_after(response),
             )
         try:
             body = response.json()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -67,6 +68,7 @@ class AgentLoop:
         self._interval_s = state.heartbeat_interval_s = heartbeat_interval_s
         self._adopt_interval = adopt_control_plane_interval
         self._backoff = backoff
+        self._jitter = random.Random()
         self._permanent_retry_s = permanent_retry_s
         self._sleep = sleep
         self._status_provider = status_provider
@@ -220,6 +222,8 @@ class AgentLoop:
             delay = self._backoff.next_delay()
             if what == "heartbeat":
                 delay = max(delay, self._interval_s)
+            if reply.retry_after_s is not None:  # busy: at least what it asked, spread up to twice
+                delay = max(delay, reply.retry_after_s * (1.0 + self._jitter.random()))
             level = logging.WARNING if self._failing_since_ok == 1 else logging.DEBUG
             log.log(level, "%s failed (%s), retrying in %.2fs", what, _describe(reply), delay)
         else:

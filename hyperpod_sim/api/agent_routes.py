@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -158,14 +161,79 @@ async def _created(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> JSONResp
     responses=_NO_SLOT,
 )
 async def register(cluster: str, body: Registration, request: Request, services: ServicesDep) -> JSONResponse:
-    return await _call(
-        services.agents.register,
-        cluster_name=cluster,
-        token=bearer(request),
-        node_id=body.node_id,
-        endpoint=body.endpoint,
-        pid=body.pid,
-    )
+    admission = _registrations(request)
+    if not admission.enter():
+        return admission.refusal()
+    try:
+        return await _call(
+            services.agents.register,
+            cluster_name=cluster,
+            token=bearer(request),
+            node_id=body.node_id,
+            endpoint=body.endpoint,
+            pid=body.pid,
+        )
+    finally:
+        admission.leave()
+
+
+class Admission:
+    """At most ``at_once`` registrations in the works; the others are answered at once, 503 with
+    ``Retry-After``, without a database statement. A thousand agents started together otherwise
+    queue behind each other on the database, time out, and retry into the queue, which a control
+    plane of 1,024 nodes never came out of. The wait asked grows with the refusals of the last
+    second (``per_second`` of them a second more), so retries spread as wide as the crowd."""
+
+    def __init__(self, at_once: int, *, per_second: int = 32, longest_s: int = 30) -> None:
+        self._at_once = at_once
+        self._per_second = per_second
+        self._longest_s = longest_s
+        self._inside = 0
+        self._refused: deque[float] = deque()
+        self._lock = threading.Lock()
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self._inside >= self._at_once:
+                now = time.monotonic()
+                self._refused.append(now)
+                while self._refused and self._refused[0] < now - 1.0:
+                    self._refused.popleft()
+                return False
+            self._inside += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._inside -= 1
+
+    def refusal(self) -> JSONResponse:
+        with self._lock:
+            wait_s = min(self._longest_s, 1 + len(self._refused) // self._per_second)
+        return JSONResponse(
+            {
+                "error": "ServiceUnavailable",
+                "message": f"the control plane is registering {self._at_once} agents; retry in {wait_s} s",
+            },
+            status_code=503,
+            headers={"Retry-After": str(wait_s)},
+        )
+
+
+# Registrations in the works at once, per control plane: they run one at a time on the database
+# anyway (each is a write transaction).
+REGISTRATIONS_AT_ONCE = 8
+_ADMISSION_LOCK = threading.Lock()
+
+
+def _registrations(request: Request) -> Admission:
+    """This control plane's (this app's) admission of registrations."""
+    state = request.app.state
+    with _ADMISSION_LOCK:
+        if not hasattr(state, "registrations"):
+            state.registrations = Admission(REGISTRATIONS_AT_ONCE)
+        admission: Admission = state.registrations
+        return admission
 
 
 @router.post(

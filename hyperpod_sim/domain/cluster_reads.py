@@ -100,7 +100,7 @@ def describe(db: Database, name: str) -> tuple[Cluster, dict[str, int]]:
     """The cluster (detached, with its groups) and its Running nodes per group, in one prepared
     Core statement (DescribeCluster's read, the hottest of the API)."""
     statement = _DESCRIBE_BY_ARN if name.startswith("arn:") else _DESCRIBE_BY_NAME
-    with db.engine.connect() as conn:
+    with db.connect() as conn:
         rows = conn.execute(statement, {"key": name}).all()
     if not rows:
         raise ResourceNotFound(f"Cluster '{name}' does not exist.")

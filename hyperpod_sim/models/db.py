@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
@@ -172,6 +172,12 @@ class Database:
     def read(self) -> Iterator[Session]:
         with self._unavailable_raises(), self._read() as session:
             yield session
+
+    @contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """A Core connection, for a prepared read (an outage raises as ``read`` does)."""
+        with self._unavailable_raises(), self.engine.connect() as conn:
+            yield conn
 
     @contextmanager
     def write(self) -> Iterator[Session]:
