@@ -58,6 +58,8 @@ REPORT_RETRY_MAX_S = 10.0
 REPORT_ATTEMPTS = 20
 # A save waits this long at most for its report to reach the homes before it is answered.
 SETTLE_TIMEOUT_S = 5.0
+# The waits before each try of a started agent's reading of the cluster's namespaces.
+ANNOUNCE_WAITS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 class CatalogCounters:
@@ -113,8 +115,29 @@ class NamespaceIndex:
                 loop.call_soon_threadsafe(self.touch, namespace)
 
         self.store.watch(changed)
-        for namespace in {info.key.namespace for info in self.store.shards()}:
+        held = {info.key.namespace for info in self.store.shards()}
+        for namespace in held:
             self.touch(namespace)
+        self._spawn(self._announce(held))
+
+    async def _announce(self, held: set[str]) -> None:
+        """Report this node's image of every other namespace of the cluster too: empty. An agent
+        started with empty memory (a reboot, a lost node's agent started again) holds nothing of
+        what its predecessor held, and without a report of its own the homes would keep the
+        predecessor's image, and list copies that are gone."""
+        for wait_s in ANNOUNCE_WAITS_S:
+            await asyncio.sleep(wait_s)
+            try:
+                response = await self.cluster.control_plane("GET", "/namespaces")
+                names = [str(doc["namespace"]) for doc in response.json()["namespaces"]]
+            except (TierError, ValueError, KeyError, TypeError) as exc:
+                log.info("the cluster's namespaces could not be read for the index: %s", exc)
+                continue
+            for name in names:
+                if name not in held:
+                    self.touch(name)
+            return
+        log.warning("the homes were not told what this node holds: the namespaces could not be read")
 
     # ------------------------------------------------------------------ images and reports
 
