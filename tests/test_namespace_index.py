@@ -16,6 +16,7 @@ import pytest
 from hyperpod_sim.agents import catalog
 from hyperpod_sim.infra.processes import find_agent_pids
 from hyperpod_sim.sdk.client import HyperPodClient
+from tests.agents import agent_policy
 from tests.conftest import ControlPlane, launch_secret, wait_for
 from tests.tier import cluster, create_namespace, get, latest, members, metric, put, url
 
@@ -60,8 +61,10 @@ def test_latest_and_a_remote_read_ask_one_home_not_every_agent(agent_plane: Cont
     assert total(agents, "hpsim_tier_catalog_answers_total") - answers == len(agents)
     assert total(agents, "hpsim_tier_index_answers_total") == indexes
     assert total(agents, "hpsim_tier_catalog_fallbacks_total") == 0
-    # A read through an agent that holds nothing of the step: one home says where rank 0 is.
-    holders = {n["InstanceId"] for n in nodes[:1]}
+    # A read through an agent that holds nothing of rank 0 (neither its node nor that node's
+    # replica peer, which may have its copy by now): one home says where rank 0 is.
+    peers = agent_policy(nodes[0])["replication"]["peers"]
+    holders = {nodes[0]["InstanceId"], *(peer["node_id"] for peer in peers)}
     reader = next(a for n, a in zip(nodes, agents, strict=True) if n["InstanceId"] not in holders)
     response = get(reader, "job", 0, 1)
     assert response.status_code == 200
