@@ -57,27 +57,9 @@ def test_a_deleted_clusters_agents_no_longer_count() -> None:
     assert pacing.agents() == 0
 
 
-def _loop_run(heartbeat_intervals: list[Any], *, adopt: bool) -> list[float]:
-    """An agent loop against a stand-in control plane whose heartbeats answer ``intervals`` (one
-    each, then 404: the node is gone); the waits the loop made after each heartbeat."""
-    answers = [
-        httpx.Response(
-            200,
-            json={
-                "node_id": "i-0",
-                "cluster_token": "c",
-                "node_token": "n",
-                "control_plane_token": "p",
-                "heartbeat_interval_s": 0.5,
-                "policy": None,
-            },
-        ),
-        *(
-            httpx.Response(200, json={"desired_generation": 0, "heartbeat_interval_s": i})
-            for i in heartbeat_intervals
-        ),
-        httpx.Response(404, json={"error": "NotFound", "message": "no node"}),
-    ]
+def _waits(answers: list[httpx.Response], *, adopt: bool) -> list[float]:
+    """The waits of an agent loop against a stand-in control plane that answers ``answers`` in turn
+    (the last a 404: the node is gone)."""
     slept: list[float] = []
 
     async def sleep(seconds: float) -> None:
@@ -103,6 +85,30 @@ def _loop_run(heartbeat_intervals: list[Any], *, adopt: bool) -> list[float]:
 
     assert asyncio.run(scenario()) is LoopOutcome.NODE_DELETED
     return slept
+
+
+REGISTERED = {
+    "node_id": "i-0",
+    "cluster_token": "c",
+    "node_token": "n",
+    "control_plane_token": "p",
+    "policy": None,
+}
+
+
+def _gone() -> httpx.Response:
+    return httpx.Response(404, json={"error": "NotFound", "message": "no node"})
+
+
+def _loop_run(heartbeat_intervals: list[Any], *, adopt: bool) -> list[float]:
+    """The waits after each heartbeat when registration answers 0.5 s and the heartbeats answer
+    ``heartbeat_intervals`` (one each)."""
+    heartbeats = [
+        httpx.Response(200, json={"desired_generation": 0, "heartbeat_interval_s": i})
+        for i in heartbeat_intervals
+    ]
+    registered = httpx.Response(200, json={**REGISTERED, "heartbeat_interval_s": 0.5})
+    return _waits([registered, *heartbeats, _gone()], adopt=adopt)
 
 
 def test_an_agent_waits_the_interval_each_heartbeat_answers() -> None:
@@ -158,44 +164,9 @@ def test_registrations_past_the_limit_are_refused_at_once_with_a_growing_wait() 
 
 
 def _registration_waits(answer: httpx.Response) -> list[float]:
-    """The waits of an agent loop whose first registration is answered ``answer``, the second
-    registers it, and whose node is then gone."""
-    registered = httpx.Response(
-        200,
-        json={
-            "node_id": "i-0",
-            "cluster_token": "c",
-            "node_token": "n",
-            "control_plane_token": "p",
-            "policy": None,
-        },
-    )
-    answers = [answer, registered, httpx.Response(404, json={"error": "NotFound", "message": "gone"})]
-    slept: list[float] = []
-
-    async def sleep(seconds: float) -> None:
-        slept.append(seconds)
-
-    async def scenario() -> LoopOutcome:
-        transport = httpx.MockTransport(lambda request: answers.pop(0))
-        async with ControlPlaneClient(
-            base_url="http://cp", cluster="x", timeout_s=1, transport=transport
-        ) as client:
-            loop = AgentLoop(
-                state=AgentState(cluster="x", node_id="i-0"),
-                client=client,
-                identity=Identity(endpoint="http://127.0.0.1:1", pid=1, instance_type=None, memory_bytes=0),
-                token=SecretStr("launch"),
-                heartbeat_interval_s=1.0,
-                adopt_control_plane_interval=False,
-                backoff=Backoff(initial_s=0.1, max_s=2.0),
-                permanent_retry_s=5.0,
-                sleep=sleep,
-            )
-            return await loop.run()
-
-    assert asyncio.run(scenario()) is LoopOutcome.NODE_DELETED
-    return slept[:1]
+    """The wait of an agent loop whose first registration is answered ``answer`` (the second
+    registers it, then its node is gone)."""
+    return _waits([answer, httpx.Response(200, json=REGISTERED), _gone()], adopt=False)[:1]
 
 
 def test_an_agent_waits_what_a_busy_control_plane_asks_spread_up_to_twice() -> None:
