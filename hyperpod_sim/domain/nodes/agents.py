@@ -415,9 +415,8 @@ class AgentService(DomainService):
 
     def policy(self, *, cluster_name: str, node_id: str, token: str | None) -> dict[str, Any]:
         with self.db.read() as session:
-            self._own_node(session, cluster_name, node_id, token)
-            cluster = self._cluster(session, cluster_name)
-            return self.policy_for(session, cluster, self._node(session, cluster, node_id))
+            cluster, node = self._own_node(session, cluster_name, node_id, token)
+            return self.policy_for(session, cluster, node)
 
     def _cluster_for(
         self, session: Session, cluster_name: str, token: str | None, *, lock: bool = False
