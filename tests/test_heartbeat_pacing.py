@@ -6,6 +6,9 @@ the control plane answers; registrations past a few at once are refused at once 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -17,8 +20,9 @@ from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.api.agent_routes import Admission
 from hyperpod_sim.domain.nodes.pacing import MISSES, HeartbeatPacing
+from hyperpod_sim.infra.processes import find_agent_pids
 from tests.agents import create_tiered, nodes, wait_status
-from tests.conftest import ControlPlane, wait_for
+from tests.conftest import ControlPlane, node_token, wait_for
 
 
 def test_up_to_the_full_rate_every_agent_keeps_the_configured_interval_and_timeout() -> None:
@@ -57,16 +61,16 @@ def test_a_deleted_clusters_agents_no_longer_count() -> None:
     assert pacing.agents() == 0
 
 
-def _waits(answers: list[httpx.Response], *, adopt: bool) -> list[float]:
-    """The waits of an agent loop against a stand-in control plane that answers ``answers`` in turn
-    (the last a 404: the node is gone)."""
+def _run_loop(answer: Callable[[httpx.Request], httpx.Response], *, adopt: bool = True) -> list[float]:
+    """Run an agent loop against a stand-in control plane (``answer`` answers each request) until
+    it learns that its node is gone; the waits it slept."""
     slept: list[float] = []
 
     async def sleep(seconds: float) -> None:
         slept.append(seconds)
 
     async def scenario() -> LoopOutcome:
-        transport = httpx.MockTransport(lambda request: answers.pop(0))
+        transport = httpx.MockTransport(answer)
         async with ControlPlaneClient(
             base_url="http://cp", cluster="x", timeout_s=1, transport=transport
         ) as client:
@@ -85,6 +89,12 @@ def _waits(answers: list[httpx.Response], *, adopt: bool) -> list[float]:
 
     assert asyncio.run(scenario()) is LoopOutcome.NODE_DELETED
     return slept
+
+
+def _waits(answers: list[httpx.Response], *, adopt: bool) -> list[float]:
+    """The waits of an agent loop against a stand-in control plane that answers ``answers`` in turn
+    (the last a 404: the node is gone)."""
+    return _run_loop(lambda request: answers.pop(0), adopt=adopt)
 
 
 REGISTERED = {
@@ -141,6 +151,88 @@ def test_agents_of_a_cluster_past_the_full_rate_heartbeat_less_often(agent_plane
     wait_for(lambda: all(interval(e) == pytest.approx(0.4) for e in endpoints), timeout=30)
     # The nodes stay Running through it.
     assert {n["InstanceStatus"]["Status"] for n in nodes(agent_plane, "paced")} == {"Running"}
+
+
+# ---------------------------------------------------------------------- pulls while a push is on its way
+
+
+def _requests_of_a_loop(heartbeats: list[dict[str, Any]]) -> list[str]:
+    """The method and path of each request an agent loop sends to a stand-in control plane that
+    answers registration, then ``heartbeats`` in turn (a pull gets the generation-2 policy)."""
+    answers = [httpx.Response(200, json=REGISTERED)]
+    for body in heartbeats:
+        answers.append(httpx.Response(200, json={"heartbeat_interval_s": 1.0, **body}))
+    sent: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(f"{request.method} {request.url.path.rsplit('/', 1)[-1]}")
+        if request.method == "GET":
+            return httpx.Response(200, json={"generation": 2, "node_id": "i-0", "cluster_name": "x"})
+        return answers.pop(0) if answers else _gone()
+
+    _run_loop(answer)
+    return sent
+
+
+def test_an_agent_behind_waits_for_a_push_under_way_and_pulls_once_none_is() -> None:
+    sent = _requests_of_a_loop(
+        [
+            {"desired_generation": 2, "push_pending": True},
+            {"desired_generation": 2, "push_pending": True},
+            {"desired_generation": 2, "push_pending": False},
+            {"desired_generation": 2},
+        ]
+    )
+    # No pull while the push is under way; one when it no longer is, and none once applied.
+    assert sent == [
+        "POST register",
+        "POST heartbeat",
+        "POST heartbeat",
+        "POST heartbeat",
+        "GET policy",
+        "POST heartbeat",
+        "POST heartbeat",
+    ]
+
+
+def test_a_heartbeat_says_when_a_push_to_its_node_is_under_way(agent_plane: ControlPlane) -> None:
+    sm = agent_plane.client()
+    create_tiered(sm, "pushing", 2)
+    wait_status(sm, "pushing", "InService")
+    frozen, other = (n["InstanceId"] for n in nodes(agent_plane, "pushing"))
+    pids = find_agent_pids(frozen)
+    tokens = {node_id: node_token(agent_plane, node_id) for node_id in (frozen, other)}
+
+    def heartbeat(node_id: str) -> dict[str, Any]:
+        answer = httpx.post(
+            f"{agent_plane.url}/agent/v1/clusters/pushing/nodes/{node_id}/heartbeat",
+            json={"applied_generation": 1},
+            headers={"Authorization": f"Bearer {tokens[node_id]}"},
+            timeout=10,
+        )
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    assert {k: heartbeat(frozen)[k] for k in ("desired_generation", "push_pending")} == {
+        "desired_generation": 1,
+        "push_pending": False,
+    }
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)  # its push of generation 2 hangs, claimed
+    try:
+        sm.update_cluster(
+            ClusterName="pushing",
+            TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": 40},
+        )
+        wait_for(lambda: heartbeat(frozen)["push_pending"], timeout=30, what="the push to be claimed")
+        assert heartbeat(frozen)["desired_generation"] == 2
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    # Its push lands: the rollout ends, and nothing is pending for either node.
+    wait_status(sm, "pushing", "InService")
+    assert not heartbeat(frozen)["push_pending"]
+    assert not heartbeat(other)["push_pending"]
 
 
 # ---------------------------------------------------------------------- registrations at once

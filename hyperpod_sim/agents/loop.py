@@ -147,7 +147,10 @@ class AgentLoop:
             return None
         self._recovered("heartbeat")
         self._adopt(reply.body.get("heartbeat_interval_s"))
-        if desired > state.applied_generation and not await self.pull():
+        # Behind: pull, unless the control plane says its push is under way (a rollout of a large
+        # cluster would otherwise cost it one pull per agent that heartbeats before its push).
+        behind = desired > state.applied_generation and reply.body.get("push_pending") is not True
+        if behind and not await self.pull():
             return None  # pull() waited already
         await self._sleep(self._interval_s)
         return None

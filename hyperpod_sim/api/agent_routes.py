@@ -74,6 +74,12 @@ class Registered(BaseModel):
 
 class HeartbeatAnswer(BaseModel):
     desired_generation: int = Field(examples=[3])
+    push_pending: bool = Field(
+        default=False,
+        examples=[False],
+        description="A push of desired_generation to this node is under way: the agent waits for "
+        "it instead of pulling the policy (it pulls at a later heartbeat if the push fails).",
+    )
     heartbeat_interval_s: float = Field(
         examples=[1.0],
         description="Seconds until the next heartbeat: the configured interval, longer past "

@@ -367,9 +367,18 @@ class AgentService(DomainService):
                 )
                 wake = True
             desired = cluster.generation
+            # A push of the generation is on its way (claimed, its lease not run out): the agent
+            # waits for it instead of pulling. In a rollout of a large cluster, the agents that
+            # heartbeat before their push arrives would otherwise each pull the same policy, and
+            # each pull reads the whole ring (docs/nodes.md, "Heartbeats at scale").
+            pushing = node.push_claimed_until is not None and node.push_claimed_until > now
         if wake:
             self.on_change()
-        return {"desired_generation": desired, "heartbeat_interval_s": self.config.pacing.interval()}
+        return {
+            "desired_generation": desired,
+            "push_pending": pushing and applied_generation < desired,
+            "heartbeat_interval_s": self.config.pacing.interval(),
+        }
 
     def record_event(
         self, *, cluster_name: str, node_id: str | None, token: str | None, level: str, message: str
