@@ -272,3 +272,35 @@ def test_an_agent_waits_what_a_busy_control_plane_asks_spread_up_to_twice() -> N
         plain = httpx.Response(503, headers=headers, json={"error": "ServiceUnavailable", "message": "x"})
         (wait,) = _registration_waits(plain)
         assert wait <= 0.1
+
+
+def test_an_agent_whose_token_a_late_registration_replaced_registers_again() -> None:
+    # Under load an agent gives up on a registration the control plane still carries out; when
+    # that one commits after the retry the agent took, the node's token is another one. The
+    # launch secret is not spent (no heartbeat was taken): the agent registers again, once.
+    refused = httpx.Response(403, json={"error": "InvalidToken", "message": "not a node token"})
+    answers = [
+        httpx.Response(200, json={**REGISTERED, "node_token": "taken"}),
+        refused,
+        httpx.Response(200, json={**REGISTERED, "node_token": "again"}),
+        httpx.Response(200, json={"desired_generation": 0, "heartbeat_interval_s": 1.0}),
+        refused,  # after a heartbeat taken the secret is spent: no registration helps
+        refused,
+        _gone(),
+    ]
+    sent: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(f"{request.url.path.rsplit('/', 1)[-1]} {request.headers.get('Authorization')}")
+        return answers.pop(0)
+
+    _run_loop(answer)
+    assert sent == [
+        "register Bearer launch",
+        "heartbeat Bearer taken",
+        "register Bearer launch",
+        "heartbeat Bearer again",
+        "heartbeat Bearer again",
+        "heartbeat Bearer again",
+        "heartbeat Bearer again",
+    ]

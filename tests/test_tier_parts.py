@@ -208,3 +208,38 @@ def test_every_agent_computes_the_same_two_homes_and_a_leaving_node_moves_only_i
             assert after[ns] == before
         else:
             assert [h for h in before if h != gone] == [h for h in after[ns] if h in before]
+
+
+def test_the_member_list_is_kept_two_heartbeat_intervals_and_a_new_policy_makes_it_stale() -> None:
+    from hyperpod_sim.agents.cluster import MEMBERS_MAX_AGE_S, ClusterView
+    from hyperpod_sim.agents.control_plane import ControlPlaneClient
+    from hyperpod_sim.agents.state import AgentState
+
+    asked: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        member = {"node_id": f"i-{len(asked)}", "instance_group": "g", "status": "Running"}
+        return httpx.Response(200, json={"members": [{**member, "endpoint": "http://127.0.0.1:9"}]})
+
+    async def scenario() -> list[dict[str, str]]:
+        state = AgentState(cluster="x", node_id="i-0")
+        async with ControlPlaneClient(
+            base_url="http://cp", cluster="x", timeout_s=1, transport=httpx.MockTransport(answer)
+        ) as client:
+            view = ClusterView(state=state, control_plane=client, peer_timeout_s=1)
+            try:
+                assert view.members_max_age_s == MEMBERS_MAX_AGE_S
+                state.heartbeat_interval_s = 16.0  # a 1,024-node cluster's pace
+                assert view.members_max_age_s == 32.0
+                seen = [await view.recent_members(), await view.recent_members()]
+                view.members_stale()  # a new policy generation
+                seen.append(await view.recent_members())
+                return seen
+            finally:
+                await view.aclose()
+
+    first, cached, after_policy = asyncio.run(scenario())
+    assert len(asked) == 2  # the list, then again only after the new policy
+    assert first == cached == {"i-1": "http://127.0.0.1:9"}
+    assert after_policy == {"i-2": "http://127.0.0.1:9"}

@@ -30,7 +30,10 @@ PeerTimeout = float | httpx.Timeout
 
 # How old the member list that the namespace index's homes are computed from may be: members come
 # and go over seconds (heartbeats, node operations); asking the control plane on every `latest`
-# would cost it one request per call.
+# would cost it one request per call. In a cluster whose heartbeats the control plane paces slower
+# (past 64 agents), two heartbeat intervals: each list grows with the cluster and every agent asks
+# for one (1,024 agents at 2 s: about 500 lists a second, each a read of every node's row). A new
+# policy generation (a member added, replaced or gone bumps it) makes the list stale at once.
 MEMBERS_MAX_AGE_S = 2.0
 
 
@@ -126,11 +129,21 @@ class ClusterView:
                 self._members_at = time.monotonic()
         return dict(self._members)
 
-    async def recent_members(self, max_age_s: float = MEMBERS_MAX_AGE_S) -> dict[str, str]:
+    async def recent_members(self) -> dict[str, str]:
         """``members``, asked of the control plane again only when the list is older than
-        ``max_age_s`` (or when the control plane did not answer, the last list known)."""
-        stale = time.monotonic() - self._members_at > max_age_s
+        ``members_max_age_s`` or a new policy made it stale (when the control plane does not
+        answer, the last list known)."""
+        stale = time.monotonic() - self._members_at > self.members_max_age_s
         return await self.members(refresh=stale)
+
+    @property
+    def members_max_age_s(self) -> float:
+        return max(MEMBERS_MAX_AGE_S, 2 * self.state.heartbeat_interval_s)
+
+    def members_stale(self) -> None:
+        """The next ``recent_members`` asks the control plane (a new policy generation: the
+        member set may have changed); the list is kept for when the control plane does not answer."""
+        self._members_at = 0.0
 
     def forget_members(self) -> None:
         """The next ``members`` asks the control plane (new peers were named)."""

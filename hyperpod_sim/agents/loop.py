@@ -73,6 +73,10 @@ class AgentLoop:
         self._sleep = sleep
         self._status_provider = status_provider
         self._failing_since_ok = 0
+        # Started for a node with its launch secret (not an external agent with the bootstrap
+        # token), and no heartbeat taken since the last registration: the secret is not spent yet.
+        self._launched = state.node_id is not None
+        self._secret_unspent = False
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -135,9 +139,20 @@ class AgentLoop:
                 "node %s: the control plane no longer knows this node (%s)", state.node_id, reply.message
             )
             return LoopOutcome.NODE_DELETED
+        if reply.failure is Failure.UNAUTHORIZED and self._launched and self._secret_unspent:
+            # The token this agent was answered is not the node's: a registration it had given up
+            # on (a timeout under load) was carried out after the one it took, and issued other
+            # tokens. No heartbeat has spent the launch secret yet: register again with it.
+            log.warning(
+                "node %s: the node token is refused (%s); registering again", state.node_id, reply.message
+            )
+            self._secret_unspent = False
+            await self.register_once()
+            return None
         if not reply.ok:
             await self._failed("heartbeat", reply)
             return None
+        self._secret_unspent = False
         state.counters.heartbeats_total += 1
         assert reply.body is not None
         desired = reply.body.get("desired_generation")
@@ -210,6 +225,7 @@ class AgentLoop:
             tokens[member] = SecretStr(value)
         self._adopt(body.get("heartbeat_interval_s"))
         state.mark_registered(node_id=node_id, **tokens)
+        self._secret_unspent = True
         log.info("registered as node %s of cluster %s", node_id, state.cluster)
         policy = body.get("policy")
         if policy is not None:

@@ -761,6 +761,7 @@ class MemoryTier:
         """Budget changes evict down; new replica peers get this node's own shards; the S3 tier
         follows the policy's ``s3`` member. Switching tiered storage off (budget 0) first drains
         the newest complete steps to S3, then frees the memory."""
+        self.cluster.members_stale()  # a member added, replaced or gone comes with a new generation
         was_on = previous is not None and previous.tiered_storage.enabled
         turned_off = was_on and not self.state.tiered_storage_enabled
         if turned_off and self.s3.target is not None and self.store.shard_count:
