@@ -21,7 +21,8 @@ For each size N, one size at a time, with nothing else of the run alive:
 4. **rollout**: UpdateCluster changing ``InstanceMemoryAllocationPercentage``, until the cluster is
    ``InService`` again (every node has acknowledged the new policy); the median of ``--rollouts``.
 5. **latest**: one step saved through the library's protocol (a namespace of N + 1 ranks; each
-   node's agent gets its rank's 4 KiB shard, node 0's the metadata rank's), then
+   node's agent gets its rank's 4 KiB shard, node 0's the metadata rank's, 16 at a time; the
+   time the whole step took is shown as ``save s``, not judged), then
    ``GET /v1/cp/checkpoints/{ns}/latest`` through node 0's agent ``--latest-calls`` times in a row:
    p50, p90 and the worst. Every answer must name the step.
 6. DeleteCluster, until the cluster is gone and every agent process of it has exited.
@@ -244,6 +245,7 @@ class Row:
     idle_serve_cores: float
     idle_agents_cores: float
     rollout_s: float
+    save_s: float
     latest_p50_ms: float
     latest_p90_ms: float
     latest_max_ms: float
@@ -317,7 +319,10 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
             rollouts.append(time.perf_counter() - started)
         progress(f"  {size:>5} nodes: rollouts {[round(r, 2) for r in rollouts]} s")
 
+        started = time.perf_counter()
         save_step(endpoints, "scale-bench", 1)
+        save_s = time.perf_counter() - started
+        progress(f"  {size:>5} nodes: a step of {size + 1} ranks saved in {save_s:.1f} s")
         latest = latest_times(endpoints[0], "scale-bench", 1, args.latest_calls)
         ordered = sorted(latest)
         progress(
@@ -345,6 +350,7 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
         idle_serve_cores=round(serve_idle_cores, 3),
         idle_agents_cores=round(agents_idle_cores, 3),
         rollout_s=round(statistics.median(rollouts), 3),
+        save_s=round(save_s, 2),
         latest_p50_ms=round(statistics.median(latest) * 1000, 2),
         latest_p90_ms=round(ordered[int(0.9 * (len(ordered) - 1))] * 1000, 2),
         latest_max_ms=round(ordered[-1] * 1000, 2),
@@ -372,12 +378,13 @@ def wait_status(client: Any, name: str, want: str, deadline_s: float) -> None:
 def render(rows: list[Row], notes: list[str]) -> str:
     header = (
         f"{'nodes':>6} {'create s':>9} {'PSS MiB':>9} {'MiB/node':>9} {'procs':>6} {'idle cores':>10} "
-        f"{'rollout s':>10} {'latest p50 ms':>14} {'p90 ms':>8} {'max ms':>8} {'delete s':>9}"
+        f"{'rollout s':>10} {'save s':>7} {'latest p50 ms':>14} {'p90 ms':>8} {'max ms':>8} {'delete s':>9}"
     )
     lines = [
         f"{r.nodes:>6} {r.create_s:>9.1f} {r.pss_total_mib:>9.0f} {r.pss_per_node_mib:>9.2f} "
         f"{r.processes:>6} "
-        f"{r.idle_cpu_cores:>10.3f} {r.rollout_s:>10.3f} {r.latest_p50_ms:>14.2f} {r.latest_p90_ms:>8.2f} "
+        f"{r.idle_cpu_cores:>10.3f} {r.rollout_s:>10.3f} {r.save_s:>7.1f} {r.latest_p50_ms:>14.2f} "
+        f"{r.latest_p90_ms:>8.2f} "
         f"{r.latest_max_ms:>8.2f} {r.delete_s:>9.1f}"
         for r in rows
     ]

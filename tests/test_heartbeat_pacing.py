@@ -277,10 +277,14 @@ def test_an_agent_waits_what_a_busy_control_plane_asks_spread_up_to_twice() -> N
 def test_an_agent_whose_token_a_late_registration_replaced_registers_again() -> None:
     # Under load an agent gives up on a registration the control plane still carries out; when
     # that one commits after the retry the agent took, the node's token is another one. The
-    # launch secret is not spent (no heartbeat was taken): the agent registers again, once.
+    # launch secret is not spent (no heartbeat was taken): the agent registers again until it gets
+    # an answer.
     refused = httpx.Response(403, json={"error": "InvalidToken", "message": "not a node token"})
+    busy = httpx.Response(503, json={"error": "ServiceUnavailable", "message": "registering 8 agents"})
     answers = [
         httpx.Response(200, json={**REGISTERED, "node_token": "taken"}),
+        refused,
+        busy,  # a busy control plane does not end the tries
         refused,
         httpx.Response(200, json={**REGISTERED, "node_token": "again"}),
         httpx.Response(200, json={"desired_generation": 0, "heartbeat_interval_s": 1.0}),
@@ -296,6 +300,8 @@ def test_an_agent_whose_token_a_late_registration_replaced_registers_again() -> 
 
     _run_loop(answer)
     assert sent == [
+        "register Bearer launch",
+        "heartbeat Bearer taken",
         "register Bearer launch",
         "heartbeat Bearer taken",
         "register Bearer launch",

@@ -77,6 +77,7 @@ class AgentLoop:
         # token), and no heartbeat taken since the last registration: the secret is not spent yet.
         self._launched = state.node_id is not None
         self._secret_unspent = False
+        self._registration_refused = False  # the last registration was refused for good
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -118,6 +119,7 @@ class AgentLoop:
                 self._recovered("registration")
                 return True
             reply = Reply(failure=Failure.PERMANENT, status=reply.status, message=problem)
+        self._registration_refused = reply.failure is not Failure.TEMPORARY
         await self._failed("registration", reply)
         return False
 
@@ -146,9 +148,9 @@ class AgentLoop:
             log.warning(
                 "node %s: the node token is refused (%s); registering again", state.node_id, reply.message
             )
-            self._secret_unspent = False
-            await self.register_once()
-            return None
+            if not await self.register_once() and self._registration_refused:
+                self._secret_unspent = False  # spent after all: heartbeat on (a 404 still ends it)
+            return None  # a busy control plane (503, a timeout): tried again at the next refusal
         if not reply.ok:
             await self._failed("heartbeat", reply)
             return None

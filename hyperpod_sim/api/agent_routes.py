@@ -77,8 +77,9 @@ class HeartbeatAnswer(BaseModel):
     push_pending: bool = Field(
         default=False,
         examples=[False],
-        description="A push of desired_generation to this node is under way: the agent waits for "
-        "it instead of pulling the policy (it pulls at a later heartbeat if the push fails).",
+        description="A push of desired_generation to this node is on its way (claimed, or due at "
+        "the reconciler's next pass): the agent waits for it instead of pulling the policy (it "
+        "pulls at a later heartbeat once a push failed).",
     )
     heartbeat_interval_s: float = Field(
         examples=[1.0],

@@ -31,6 +31,7 @@ from hyperpod_sim.contracts.limits import (
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.checkpoints.cluster_policy import CheckpointPolicy, S3Endpoint
 from hyperpod_sim.domain.checkpoints.node_policy import RingRow, build_policy, ring
+from hyperpod_sim.domain.checkpoints.pushes import push_coming
 from hyperpod_sim.domain.errors import AgentProtocolError
 from hyperpod_sim.domain.events import Level
 from hyperpod_sim.domain.lifecycle import LEAVING, LIVE, NodeStatus
@@ -367,11 +368,11 @@ class AgentService(DomainService):
                 )
                 wake = True
             desired = cluster.generation
-            # A push of the generation is on its way (claimed, its lease not run out): the agent
-            # waits for it instead of pulling. In a rollout of a large cluster, the agents that
-            # heartbeat before their push arrives would otherwise each pull the same policy, and
-            # each pull reads the whole ring (docs/nodes.md, "Heartbeats at scale").
-            pushing = node.push_claimed_until is not None and node.push_claimed_until > now
+            # A push of the generation is on its way (claimed, or due at the reconciler's next
+            # pass): the agent waits for it instead of pulling. In a rollout of a large cluster,
+            # the agents that heartbeat before their push arrives would otherwise each pull the
+            # same policy, and each pull reads the whole ring (docs/nodes.md, "Heartbeats at scale").
+            pushing = push_coming(cluster, node, now)
         if wake:
             self.on_change()
         return {
