@@ -333,3 +333,18 @@ def test_a_restarted_serve_adopts_the_forked_agents(database_url: str, tmp_path:
     finally:
         server.stop()
         kill_processes_under(tmp_path)
+
+
+def test_a_forked_agent_with_an_invalid_setting_says_so_in_its_own_log(
+    launcher: AgentLauncher, tmp_path: Path
+) -> None:
+    # The launcher builds an agent's settings before it forks it, from the environment the request
+    # gives (the launcher's own has no HPSIM_AGENT_PORT): a bad one is the agent's to report, in
+    # its own log, and no agent runs.
+    log = tmp_path / "agent.log"
+    env = {**agent_environment(os.environ), "HPSIM_AGENT_PORT": "70000", "HPSIM_AGENT_TOKEN": "t" * 32}
+    argv = [*default_agent_command(), "--control-plane", "http://127.0.0.1:9", "--cluster", "c"]
+    pid = launcher.launch(argv, env=env, log_path=log)
+    wait_for(lambda: "invalid settings" in (log.read_text() if log.exists() else ""), timeout=30)
+    assert "--port (HPSIM_AGENT_PORT)" in log.read_text()
+    wait_for(lambda: pid not in children_of(launcher.pid or 0), timeout=30, what="the agent to exit")

@@ -310,3 +310,34 @@ def test_an_agent_whose_token_a_late_registration_replaced_registers_again() -> 
         "heartbeat Bearer again",
         "heartbeat Bearer again",
     ]
+
+
+def test_a_member_change_shows_in_the_member_list_at_once(agent_plane: ControlPlane) -> None:
+    # The control plane answers a cluster's member list again for a second within a policy
+    # generation; a member replaced or gone bumps the generation, so it shows at once.
+    from hyperpod_sim.models import Cluster, Node
+
+    sm = agent_plane.client()
+    create_tiered(sm, "listed", 2)
+    wait_status(sm, "listed", "InService")
+    node_id = nodes(agent_plane, "listed")[0]["InstanceId"]
+    token = node_token(agent_plane, node_id)
+
+    def endpoints() -> dict[str, str]:
+        answer = httpx.get(
+            f"{agent_plane.url}/agent/v1/clusters/listed/members",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10,
+        )
+        assert answer.status_code == 200, answer.text
+        return {m["node_id"]: m["endpoint"] for m in answer.json()["members"]}
+
+    before = endpoints()
+    with agent_plane.services.db.write() as session:
+        node = session.get(Node, node_id)
+        assert node is not None
+        node.endpoint = "http://127.0.0.1:9"
+        cluster = session.get(Cluster, node.cluster_id)
+        assert cluster is not None
+        cluster.generation += 1  # what a replacement does with the ring it changes
+    assert endpoints() == {**before, node_id: "http://127.0.0.1:9"}

@@ -105,7 +105,8 @@ def claim_pushes(cluster: Cluster, now: datetime, config: PushConfig) -> Outcome
             policies = PolicyBuilder(
                 cluster, members, memory_scale=config.memory_scale, s3_endpoint=config.s3_endpoint
             )
-        assert node.endpoint is not None and node.push_token is not None  # needs_push
+        assert node.endpoint is not None  # needs_push
+        assert node.push_token is not None
         outcome.pushes.append(Push(node.id, node.endpoint, node.push_token, policies.policy(node)))
     return outcome
 

@@ -14,7 +14,9 @@ a node it names), since these routes are open to anyone who reaches the port.
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import and_, delete, func, or_, select
@@ -78,11 +80,21 @@ def _not_a_node_token(cluster_name: str) -> AgentProtocolError:
     )
 
 
+# How long a cluster's member list is answered again unchanged within one policy generation: the
+# members that register meanwhile (a cluster coming up, a replacement) show at most this late.
+MEMBERS_FRESH_S = 1.0
+
+
 @dataclass(kw_only=True, eq=False)
 class AgentService(DomainService):
     """The control plane's side of the agent protocol (registration, heartbeats, pulls, events)."""
 
     config: AgentConfig
+    # The last member list of each cluster: (generation, time.monotonic(), answer).
+    _members_kept: dict[str, tuple[int, float, dict[str, Any]]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    _members_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     # ------------------------------------------------------------------ helpers
 
@@ -436,12 +448,22 @@ class AgentService(DomainService):
         return self._cluster(session, cluster_name, lock=lock)
 
     def members(self, *, cluster_name: str, token: str | None) -> dict[str, Any]:
+        """The cluster's member list, the same for every agent of it: built at most once per
+        ``MEMBERS_FRESH_S`` and policy generation (a member replaced or gone bumps the generation,
+        so such a change is never answered late). After a rollout every agent asks again, and
+        each list is a read of every node's row: at 1,024 nodes, a save right after one asked for
+        a thousand lists and timed agents out."""
         with self.db.read() as session:
             cluster = self._cluster_for(session, cluster_name, token)
+            now = time.monotonic()
+            with self._members_lock:
+                kept = self._members_kept.get(cluster.id)
+            if kept is not None and kept[0] == cluster.generation and now - kept[1] < MEMBERS_FRESH_S:
+                return kept[2]
             # Shutting-down nodes too (and nodes moving away, MoveClusterNodes): their agents are
             # draining to S3 and still answer their peers (a persist asks every agent for the ranks
             # it holds) until they exit.
-            return {
+            answer = {
                 "members": [
                     {
                         "node_id": n.id,
@@ -452,6 +474,9 @@ class AgentService(DomainService):
                     for n in self._ring_members(session, cluster, leaving=True)
                 ]
             }
+            with self._members_lock:
+                self._members_kept[cluster.id] = (cluster.generation, now, answer)
+            return answer
 
     # ------------------------------------------------------------------ checkpoint namespaces
 
