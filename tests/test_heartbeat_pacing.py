@@ -19,7 +19,7 @@ from hyperpod_sim.agents.control_plane import ControlPlaneClient
 from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.api.agent_routes import Admission
-from hyperpod_sim.domain.nodes.pacing import MISSES, HeartbeatPacing
+from hyperpod_sim.domain.nodes.pacing import MAX_SLOWDOWN, MISSES, HeartbeatPacing
 from hyperpod_sim.infra.processes import find_agent_pids
 from tests.agents import create_tiered, nodes, wait_status
 from tests.conftest import ControlPlane, node_token, wait_for
@@ -41,6 +41,16 @@ def test_past_the_full_rate_the_interval_grows_in_proportion_and_the_timeout_wit
     assert pacing.interval() == 2.0
     # Agents told 16 s heartbeat once more at that pace: the timeout does not shrink under them.
     assert pacing.timeout() == MISSES * 16.0
+
+
+def test_the_reconcilers_periodic_pass_slows_down_with_heartbeats_at_most_four_times() -> None:
+    pacing = HeartbeatPacing(interval_s=1.0, timeout_s=10.0, full_rate_nodes=64)
+    pacing.count("c", 64)
+    assert pacing.slowdown() == 1.0
+    pacing.count("c", 128)
+    assert pacing.slowdown() == 2.0
+    pacing.count("c", 1024)
+    assert pacing.slowdown() == MAX_SLOWDOWN == 4.0
 
 
 def test_the_timeout_never_drops_below_the_configured_one() -> None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 # Heartbeats a paced agent may miss before its node fails.
 MISSES = 5
+# The most the reconciler's periodic pass is slowed down by (HeartbeatPacing.slowdown).
+MAX_SLOWDOWN = 4.0
 
 
 @dataclass
@@ -55,7 +57,17 @@ class HeartbeatPacing:
             return sum(self._agents.values())
 
     def _current(self) -> float:
-        return self.interval_s * max(1.0, sum(self._agents.values()) / self.full_rate_nodes)
+        return self.interval_s * self._factor()
+
+    def _factor(self) -> float:
+        return max(1.0, sum(self._agents.values()) / self.full_rate_nodes)
+
+    def slowdown(self) -> float:
+        """How much longer than configured the control plane's periodic work may wait: the
+        heartbeat interval's growth, at most ``MAX_SLOWDOWN`` (the reconciler's pass over every
+        node, which notices a crashed agent's exit, runs at least every 4 configured intervals)."""
+        with self._lock:
+            return min(self._factor(), MAX_SLOWDOWN)
 
     def interval(self) -> float:
         """The interval to answer an agent now (remembered for the timeout until it has passed)."""
