@@ -10,8 +10,9 @@ at registration and from every heartbeat's answer; one that was told a longer in
 until its next heartbeat, so a timeout never shrinks below ``MISSES`` times an interval still in
 use.
 
-A crashed agent of the local provisioner is noticed by its process's exit, not by its silence:
-pacing changes how fast a hung or partitioned agent's node fails, not a killed one's.
+A crashed agent of the local provisioner is noticed by its process's exit, not by its silence,
+at the reconciler's next pass: pacing slows that pass down too (``slowdown``, at most 4 times), so
+a killed agent's node is noticed within seconds at any size, a hung one's after the timeout.
 """
 
 from __future__ import annotations
