@@ -76,6 +76,7 @@ SHARD_BYTES = 4096
 # `latest` is judged once the save's background work is done: the process tree's CPU over
 # QUIET_WINDOW_S within QUIET_MARGIN_CORES of its idle level, waited for at most QUIET_MAX_S.
 QUIET_WINDOW_S = 2.0
+SAVE_ATTEMPTS = 3  # a rank's save answered 503 (a busy control plane) is made again, 1 s later
 QUIET_MARGIN_CORES = 0.15
 QUIET_MAX_S = 120.0
 MEMORY_TARGET_BYTES = 8 * 1024 * MIB
@@ -190,8 +191,9 @@ def shard_meta(data: bytes) -> str:
     )
 
 
-def save_step(endpoints: list[str], namespace: str, step: int) -> None:
-    """One step of ``len(endpoints)`` ranks and the metadata rank, each rank through its node's agent."""
+def save_step(endpoints: list[str], namespace: str, step: int) -> int:
+    """One step of ``len(endpoints)`` ranks and the metadata rank, each rank through its node's
+    agent; the saves answered 503 and made again."""
     ranks = len(endpoints)
     first = Agent(endpoints[0])
     try:
@@ -203,23 +205,30 @@ def save_step(endpoints: list[str], namespace: str, step: int) -> None:
     finally:
         first.close()
 
-    def one(rank: int) -> None:
+    def one(rank: int) -> int:
+        """Save the rank, again after a 503 (as a trainer's library does, at most
+        SAVE_ATTEMPTS times): the 503s answered."""
         data = os.urandom(SHARD_BYTES)
-        agent = Agent(endpoints[rank % ranks])
-        try:
-            status, body = agent.call(
-                "POST",
-                f"/v1/cp/checkpoints/{namespace}/{rank}/{step}",
-                body=data,
-                headers={"Shard-Meta": shard_meta(data), "Content-Type": "application/octet-stream"},
-            )
-        finally:
-            agent.close()
-        if status != 200:
-            raise RuntimeError(f"rank {rank}: {status} {body[:300]!r}")
+        for attempt in range(1, SAVE_ATTEMPTS + 1):
+            agent = Agent(endpoints[rank % ranks])
+            try:
+                status, body = agent.call(
+                    "POST",
+                    f"/v1/cp/checkpoints/{namespace}/{rank}/{step}",
+                    body=data,
+                    headers={"Shard-Meta": shard_meta(data), "Content-Type": "application/octet-stream"},
+                )
+            finally:
+                agent.close()
+            if status == 200:
+                return attempt - 1
+            if status != 503 or attempt == SAVE_ATTEMPTS:
+                break
+            time.sleep(1.0)
+        raise RuntimeError(f"rank {rank}: {status} {body[:300]!r}")
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(one, range(ranks + 1)))
+        return sum(pool.map(one, range(ranks + 1)))
 
 
 def latest_times(endpoint: str, namespace: str, step: int, calls: int) -> list[float]:
@@ -258,6 +267,7 @@ class Row:
     idle_agents_cores: float
     rollout_s: float
     save_s: float
+    save_retries: int  # saves answered 503 and made again
     latest_at_once_p50_ms: float  # right after the save, its background work still running
     quiet_s: float  # from the save until the CPU was back near idle (the judged `latest` after it)
     latest_p50_ms: float
@@ -342,9 +352,11 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
         progress(f"  {size:>5} nodes: rollouts {[round(r, 2) for r in rollouts]} s")
 
         started = time.perf_counter()
-        save_step(endpoints, NAMESPACE, 1)
+        retried = save_step(endpoints, NAMESPACE, 1)
         save_s = time.perf_counter() - started
-        progress(f"  {size:>5} nodes: a step of {size + 1} ranks saved in {save_s:.1f} s")
+        progress(
+            f"  {size:>5} nodes: a step of {size + 1} ranks saved in {save_s:.1f} s ({retried} saves retried)"
+        )
         # At once, while the save's background work (replicas of async replication, reports to the
         # namespace's homes) still runs on every node: shown, not judged. Then again once the
         # process tree's CPU is back near its idle level: `latest`'s own cost at this size.
@@ -379,6 +391,7 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
         idle_agents_cores=round(agents_idle_cores, 3),
         rollout_s=round(statistics.median(rollouts), 3),
         save_s=round(save_s, 2),
+        save_retries=retried,
         latest_at_once_p50_ms=round(statistics.median(at_once) * 1000, 2),
         quiet_s=round(quiet_s, 1),
         latest_p50_ms=round(statistics.median(latest) * 1000, 2),

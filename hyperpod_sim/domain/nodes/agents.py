@@ -95,6 +95,7 @@ class AgentService(DomainService):
         default_factory=dict, init=False, repr=False
     )
     _members_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _members_building: dict[str, threading.Lock] = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ helpers
 
@@ -450,33 +451,49 @@ class AgentService(DomainService):
     def members(self, *, cluster_name: str, token: str | None) -> dict[str, Any]:
         """The cluster's member list, the same for every agent of it: built at most once per
         ``MEMBERS_FRESH_S`` and policy generation (a member replaced or gone bumps the generation,
-        so such a change is never answered late). After a rollout every agent asks again, and
-        each list is a read of every node's row: at 1,024 nodes, a save right after one asked for
-        a thousand lists and timed agents out."""
+        so such a change is never answered late), by one thread at a time per cluster (the others
+        wait for its list, holding no database connection). After a rollout every agent asks
+        again, and each list is a read of every node's row: at 1,024 nodes, a save right after one
+        asked for a thousand lists and timed agents out."""
         with self.db.read() as session:
             cluster = self._cluster_for(session, cluster_name, token)
+            cluster_id, generation = cluster.id, cluster.generation
+        kept = self._kept_members(cluster_id, generation)
+        if kept is not None:
+            return kept
+        with self._members_lock:
+            building = self._members_building.setdefault(cluster_id, threading.Lock())
+        with building:
+            kept = self._kept_members(cluster_id, generation)
+            if kept is not None:
+                return kept
             now = time.monotonic()
-            with self._members_lock:
-                kept = self._members_kept.get(cluster.id)
-            if kept is not None and kept[0] == cluster.generation and now - kept[1] < MEMBERS_FRESH_S:
-                return kept[2]
-            # Shutting-down nodes too (and nodes moving away, MoveClusterNodes): their agents are
-            # draining to S3 and still answer their peers (a persist asks every agent for the ranks
-            # it holds) until they exit.
-            answer = {
-                "members": [
-                    {
-                        "node_id": n.id,
-                        "instance_group": n.group_name,
-                        "status": n.status,
-                        "endpoint": n.endpoint,
-                    }
-                    for n in self._ring_members(session, cluster, leaving=True)
-                ]
-            }
-            with self._members_lock:
-                self._members_kept[cluster.id] = (cluster.generation, now, answer)
+            with self.db.read() as session:
+                cluster = self._cluster(session, cluster_name)
+                # Shutting-down nodes too (and nodes moving away, MoveClusterNodes): their agents
+                # are draining to S3 and still answer their peers (a persist asks every agent for
+                # the ranks it holds) until they exit.
+                answer = {
+                    "members": [
+                        {
+                            "node_id": n.id,
+                            "instance_group": n.group_name,
+                            "status": n.status,
+                            "endpoint": n.endpoint,
+                        }
+                        for n in self._ring_members(session, cluster, leaving=True)
+                    ]
+                }
+                with self._members_lock:
+                    self._members_kept[cluster.id] = (cluster.generation, now, answer)
             return answer
+
+    def _kept_members(self, cluster_id: str, generation: int) -> dict[str, Any] | None:
+        with self._members_lock:
+            kept = self._members_kept.get(cluster_id)
+        if kept is None or kept[0] != generation or time.monotonic() - kept[1] >= MEMBERS_FRESH_S:
+            return None
+        return kept[2]
 
     # ------------------------------------------------------------------ checkpoint namespaces
 
