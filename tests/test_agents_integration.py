@@ -103,6 +103,9 @@ def test_rollout_budget_and_ring(agent_plane: ControlPlane, sm: Any) -> None:
         assert policy["replication"] == {"factor": 0, "peers": []}
 
 
+# Not about failure detection: a node failed for a few seconds' silence on a loaded machine would
+# be replaced, and the nodes compared below would differ (seen once in CI).
+@pytest.mark.patient_heartbeats
 def test_scaling_starts_and_stops_agent_processes(agent_plane: ControlPlane, sm: Any) -> None:
     create_tiered(sm, "scale", 2)
     wait_status(sm, "scale", "InService")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hmac
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,9 +79,17 @@ def _not_a_node_token(cluster_name: str) -> AgentProtocolError:
     )
 
 
-# How long a cluster's member list is answered again unchanged within one policy generation: the
-# members that register meanwhile (a cluster coming up, a replacement) show at most this late.
-MEMBERS_FRESH_S = 1.0
+# How long a request waits for the member list another thread is building before it reads the
+# rows itself.
+MEMBERS_WAIT_S = 30.0
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A member list being built: set ``done`` once ``answer`` is there (None: the build failed)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: dict[str, Any] | None = None
 
 
 @dataclass(kw_only=True, eq=False)
@@ -90,12 +97,9 @@ class AgentService(DomainService):
     """The control plane's side of the agent protocol (registration, heartbeats, pulls, events)."""
 
     config: AgentConfig
-    # The last member list of each cluster: (generation, time.monotonic(), answer).
-    _members_kept: dict[str, tuple[int, float, dict[str, Any]]] = field(
-        default_factory=dict, init=False, repr=False
-    )
+    # The member list being built for each cluster, which requests that come meanwhile wait for.
+    _members_flights: dict[str, _Flight] = field(default_factory=dict, init=False, repr=False)
     _members_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
-    _members_building: dict[str, threading.Lock] = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------------ helpers
 
@@ -449,25 +453,23 @@ class AgentService(DomainService):
         return self._cluster(session, cluster_name, lock=lock)
 
     def members(self, *, cluster_name: str, token: str | None) -> dict[str, Any]:
-        """The cluster's member list, the same for every agent of it: built at most once per
-        ``MEMBERS_FRESH_S`` and policy generation (a member replaced or gone bumps the generation,
-        so such a change is never answered late), by one thread at a time per cluster (the others
-        wait for its list, holding no database connection). After a rollout every agent asks
-        again, and each list is a read of every node's row: at 1,024 nodes, a save right after one
-        asked for a thousand lists and timed agents out."""
+        """The cluster's member list. Built by one thread at a time per cluster: a request that
+        comes while a list is being built waits for that list (holding no database connection)
+        instead of reading every node's row again. After a rollout every agent asks again: at
+        1,024 nodes a save right after one had about twenty threads each reading all the rows,
+        the rest waiting for a connection, and agents timed out."""
         with self.db.read() as session:
-            cluster = self._cluster_for(session, cluster_name, token)
-            cluster_id, generation = cluster.id, cluster.generation
-        kept = self._kept_members(cluster_id, generation)
-        if kept is not None:
-            return kept
+            cluster_id = self._cluster_for(session, cluster_name, token).id
         with self._members_lock:
-            building = self._members_building.setdefault(cluster_id, threading.Lock())
-        with building:
-            kept = self._kept_members(cluster_id, generation)
-            if kept is not None:
-                return kept
-            now = time.monotonic()
+            flight = self._members_flights.get(cluster_id)
+            leading = flight is None
+            if flight is None:
+                flight = self._members_flights[cluster_id] = _Flight()
+        if not leading:
+            flight.done.wait(MEMBERS_WAIT_S)
+            if flight.answer is not None:
+                return flight.answer
+        try:
             with self.db.read() as session:
                 cluster = self._cluster(session, cluster_name)
                 # Shutting-down nodes too (and nodes moving away, MoveClusterNodes): their agents
@@ -484,16 +486,14 @@ class AgentService(DomainService):
                         for n in self._ring_members(session, cluster, leaving=True)
                     ]
                 }
-                with self._members_lock:
-                    self._members_kept[cluster.id] = (cluster.generation, now, answer)
+            if leading:
+                flight.answer = answer
             return answer
-
-    def _kept_members(self, cluster_id: str, generation: int) -> dict[str, Any] | None:
-        with self._members_lock:
-            kept = self._members_kept.get(cluster_id)
-        if kept is None or kept[0] != generation or time.monotonic() - kept[1] >= MEMBERS_FRESH_S:
-            return None
-        return kept[2]
+        finally:
+            if leading:
+                with self._members_lock:
+                    del self._members_flights[cluster_id]
+                flight.done.set()
 
     # ------------------------------------------------------------------ checkpoint namespaces
 
