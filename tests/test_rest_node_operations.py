@@ -179,7 +179,9 @@ def test_move_through_its_body_only_route(control_plane: ControlPlane, http: htt
     assert moved in statuses(http, "dst")
     assert "Move" in {o["Type"] for o in operations(http, "dst")}
     # The AWS shape of an error, as on every route: a cluster that does not exist is a 404.
-    gone = {**where(sm), "TargetClusterArn": where(sm)["TargetClusterArn"][:-1] + "x", "NodeIds": [moved]}
+    target = where(sm)["TargetClusterArn"]
+    # A cluster id is random: change its last character to one it is not, so the ARN names no cluster.
+    gone = {**where(sm), "TargetClusterArn": target[:-1] + ("x" if target[-1] != "x" else "y"), "NodeIds": [moved]}
     refused = http.post("/cluster-nodes/move", json=gone)
     assert refused.status_code == 404
     assert refused.json()["__type"] == "ResourceNotFound"
