@@ -162,6 +162,120 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+# ---------------------------------------------------------------------- same-page merging (KSM)
+
+KSM = Path("/sys/kernel/mm/ksm")
+# ksmd's rate: pages_to_scan per wake-up, a wake-up every sleep_millisecs. Measured here with 256
+# merged agents, a scanned page costs ksmd 6-7 us: 300 pages every 20 ms took 8.5 % of a core,
+# 1,000 every 200 ms 3.1 %. While the cluster's pages merge it scans fast (2,000 every 20 ms, about
+# a quarter of a core: two full scans of 1,024 agents in about 6 minutes); then, for the idle
+# measurement and after, 1,000 every 200 ms. README, "A large cluster", says the same.
+KSM_FAST = {"pages_to_scan": "2000", "sleep_millisecs": "20"}
+KSM_STEADY = {"pages_to_scan": "1000", "sleep_millisecs": "200"}
+MERGE_SCANS = 2  # full scans after the cluster is up before memory is read: a page merges at its second
+
+
+def ksm_read(name: str) -> str | None:
+    try:
+        text = (KSM / name).read_text().strip()
+    except OSError:
+        return None
+    if name == "advisor_mode":  # "[none] scan-time": the bracketed one is in force
+        return next((w.strip("[]") for w in text.split() if w.startswith("[")), text)
+    return text
+
+
+class Ksm:
+    """ksmd for the run, where this user may set it (root): on, at the fast rate while pages merge,
+    at the steady rate after; the settings found are put back by ``restore``."""
+
+    def __init__(self, wanted: bool) -> None:
+        self.saved: dict[str, str] = {}
+        self.wanted = wanted
+        if not wanted:
+            self.note = "ksm: off (--ksm off: the launcher does not mark the agents' pages mergeable)"
+            return
+        if ksm_read("run") is None:
+            self.note = "ksm: this kernel has none (/sys/kernel/mm/ksm): agents' pages not merged"
+            return
+        try:
+            # The kernel's own tuning (advisor_mode scan-time) was tried: at 32 nodes it scanned
+            # 230,000 pages a second, 40 % of a core.
+            self._set("advisor_mode", "none")
+            self.rate(KSM_STEADY)
+            self._set("run", "1")
+        except OSError as exc:
+            self.restore()
+            self.note = f"ksm: cannot set ksmd ({exc}); as found: run={ksm_read('run')}"
+            return
+        self.note = (
+            f"ksm: ksmd on, {KSM_FAST['pages_to_scan']} pages every {KSM_FAST['sleep_millisecs']} ms "
+            f"while the cluster's pages merge ({MERGE_SCANS} full scans), then "
+            f"{KSM_STEADY['pages_to_scan']} every {KSM_STEADY['sleep_millisecs']} ms"
+        )
+
+    def rate(self, settings: dict[str, str]) -> None:
+        for name, value in settings.items():
+            self._set(name, value)
+
+    def _set(self, name: str, value: str) -> None:
+        found = ksm_read(name)
+        if found is None:
+            return  # no advisor before Linux 6.7
+        if name not in self.saved:
+            self.saved[name] = found
+        (KSM / name).write_text(value)
+
+    @property
+    def on(self) -> bool:
+        """Whether the agents' pages are merged: marked mergeable, and ksmd runs."""
+        return self.wanted and ksm_read("run") == "1"
+
+    def restore(self) -> None:
+        for name, value in reversed(list(self.saved.items())):
+            try:
+                (KSM / name).write_text(value)
+            except OSError as exc:
+                progress(f"ksm: could not put {name} back to {value}: {exc}")
+        self.saved.clear()
+
+    def full_scans(self) -> int:
+        return int(ksm_read("full_scans") or 0)
+
+    def settle(self, deadline_s: float) -> float:
+        """At the fast rate, wait for MERGE_SCANS full scans from now (``deadline_s`` at most),
+        then back to the steady rate: the seconds waited."""
+        if not self.on:
+            return 0.0
+        started, first = time.perf_counter(), self.full_scans()
+        if self.saved:
+            self.rate(KSM_FAST)
+        try:
+            poll(
+                lambda: True if self.full_scans() >= first + MERGE_SCANS else None,
+                deadline_s,
+                1.0,
+                lambda: TimeoutError(f"ksmd made fewer than {MERGE_SCANS} full scans in {deadline_s} s"),
+            )
+        finally:
+            if self.saved:
+                self.rate(KSM_STEADY)
+        return time.perf_counter() - started
+
+
+def ksmd_pids() -> list[int]:
+    """The kernel's ksmd thread, whose CPU the idle measurement counts with the process tree's."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if Path(entry.path, "comm").read_text().strip() == "ksmd":
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 # ---------------------------------------------------------------------- the agents' protocol
 
 
@@ -265,7 +379,11 @@ class Row:
     idle_cpu_cores: float
     idle_serve_cores: float
     idle_agents_cores: float
+    idle_ksmd_cores: float  # the kernel's same-page merging thread, counted in idle_cpu_cores
+    merge_s: float  # waited after settling for ksmd's MERGE_SCANS full scans
     rollout_s: float
+    rollout_cpu_serve_s: float  # CPU time of one rollout (the mean), serve's and all agents'
+    rollout_cpu_agents_s: float
     save_s: float
     save_retries: int  # saves answered 503 and made again
     latest_at_once_p50_ms: float  # right after the save, its background work still running
@@ -316,13 +434,25 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
 
         agents = agent_pids(data_dir, node_ids)
         time.sleep(args.settle_s)  # the starts' traffic settles before memory and idle CPU are read
+        merge_s = args.ksm.settle(args.merge_max_s)
+        if args.ksm.on:
+            # At ksmd's steady rate, the agents' heartbeats and timers copy again what they touch:
+            # memory is read after this and the idle window, not at the merge's best.
+            time.sleep(args.steady_s)
         processes = sorted(set(tree(server.proc.pid)) | set(agents))
-        pss = sum(p for p in (pss_bytes(pid) for pid in processes) if p is not None)
-        ticks_before = cpu_ticks(processes)
+        ksmd = ksmd_pids() if args.ksm.on else []
+        ticks_before = cpu_ticks(processes + ksmd)
         time.sleep(args.idle_s)  # the measurement: nothing asked of the cluster
-        ticks_after = cpu_ticks(processes)
+        ticks_after = cpu_ticks(processes + ksmd)
         idle = sum(ticks_after[p] - ticks_before[p] for p in ticks_after if p in ticks_before)
         idle_cores = idle / os.sysconf("SC_CLK_TCK") / args.idle_s
+        ksmd_idle = sum(
+            ticks_after[p] - ticks_before[p] for p in ksmd if p in ticks_after and p in ticks_before
+        )
+        ksmd_idle_cores = ksmd_idle / os.sysconf("SC_CLK_TCK") / args.idle_s
+        # Read after the idle window: with ksmd at its steady rate, what the agents' heartbeats
+        # have copied again since their pages merged counts.
+        pss = sum(p for p in (pss_bytes(pid) for pid in processes) if p is not None)
         serve_pid = server.proc.pid
         serve_idle = (ticks_after.get(serve_pid, 0) - ticks_before.get(serve_pid, 0)) / os.sysconf(
             "SC_CLK_TCK"
@@ -333,11 +463,13 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
         agents_idle_cores = agents_idle / os.sysconf("SC_CLK_TCK") / args.idle_s
         serve_idle_cores = serve_idle / args.idle_s
         progress(
-            f"  {size:>5} nodes: {pss / MIB:.0f} MiB PSS in {len(processes)} processes, "
-            f"idle {idle_cores:.2f} cores (serve {serve_idle_cores:.2f}, agents {agents_idle_cores:.2f})"
+            f"  {size:>5} nodes: {pss / MIB:.0f} MiB PSS in {len(processes)} processes "
+            f"({merge_s:.0f} s of merging waited for), idle {idle_cores:.2f} cores "
+            f"(serve {serve_idle_cores:.2f}, agents {agents_idle_cores:.2f}, ksmd {ksmd_idle_cores:.2f})"
         )
 
         rollouts = []
+        rollout_before = cpu_ticks(processes)
         for i in range(args.rollouts):
             started = time.perf_counter()
             client.update_cluster(
@@ -349,7 +481,21 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
             )
             wait_status(client, name, "InService", args.create_timeout_s)
             rollouts.append(time.perf_counter() - started)
-        progress(f"  {size:>5} nodes: rollouts {[round(r, 2) for r in rollouts]} s")
+        rollout_after = cpu_ticks(processes)
+        per_rollout = os.sysconf("SC_CLK_TCK") * max(1, args.rollouts)
+        rollout_serve_s = (rollout_after.get(serve_pid, 0) - rollout_before.get(serve_pid, 0)) / per_rollout
+        rollout_agents_s = (
+            sum(
+                rollout_after[p] - rollout_before[p]
+                for p in agents
+                if p in rollout_after and p in rollout_before
+            )
+            / per_rollout
+        )
+        progress(
+            f"  {size:>5} nodes: rollouts {[round(r, 2) for r in rollouts]} s; CPU of one: serve "
+            f"{rollout_serve_s:.2f} s, agents {rollout_agents_s:.2f} s"
+        )
 
         started = time.perf_counter()
         retried = save_step(endpoints, NAMESPACE, 1)
@@ -389,7 +535,11 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
         idle_cpu_cores=round(idle_cores, 3),
         idle_serve_cores=round(serve_idle_cores, 3),
         idle_agents_cores=round(agents_idle_cores, 3),
+        idle_ksmd_cores=round(ksmd_idle_cores, 3),
+        merge_s=round(merge_s, 1),
         rollout_s=round(statistics.median(rollouts), 3),
+        rollout_cpu_serve_s=round(rollout_serve_s, 3),
+        rollout_cpu_agents_s=round(rollout_agents_s, 3),
         save_s=round(save_s, 2),
         save_retries=retried,
         latest_at_once_p50_ms=round(statistics.median(at_once) * 1000, 2),
@@ -441,7 +591,8 @@ def render(rows: list[Row], notes: list[str]) -> str:
     lines = [
         f"{r.nodes:>6} {r.create_s:>9.1f} {r.pss_total_mib:>9.0f} {r.pss_per_node_mib:>9.2f} "
         f"{r.processes:>6} "
-        f"{r.idle_cpu_cores:>10.3f} {r.rollout_s:>10.3f} {r.save_s:>7.1f} {r.latest_at_once_p50_ms:>10.2f} "
+        f"{r.idle_cpu_cores:>10.3f} {r.idle_ksmd_cores:>10.3f} {r.rollout_s:>10.3f} {r.save_s:>7.1f} "
+        f"{r.latest_at_once_p50_ms:>10.2f} "
         f"{r.latest_p50_ms:>14.2f} "
         f"{r.latest_p90_ms:>8.2f} "
         f"{r.latest_max_ms:>8.2f} {r.delete_s:>9.1f}"
@@ -494,21 +645,45 @@ def main() -> int:
     parser.add_argument("--latest-calls", type=int, default=30)
     parser.add_argument("--rollouts", type=int, default=3)
     parser.add_argument("--create-timeout-s", type=float, default=IN_SERVICE_TARGET_S * 1.5)
+    parser.add_argument(
+        "--ksm",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: ksmd on for the run where this user may (root), as README's large cluster says; "
+        "off: the agents' pages not marked mergeable",
+    )
+    parser.add_argument(
+        "--merge-max-s", type=float, default=900.0, help="the longest wait for ksmd's full scans"
+    )
+    parser.add_argument(
+        "--steady-s", type=float, default=60.0, help="after the merge, at ksmd's steady rate, before idle"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     sizes = int_list_option(parser, "--sizes", args.sizes, "nodes")
     rows: list[Row] = []
-    with BenchRun("hpsim-scale-bench-", shm=True) as run:
-        args.workdir = run.workdir
-        server = run.serve({**SETTINGS, "HPSIM_SIMULATION__SHM_ROOT": str(run.shm_root)})
-        run.ready(120.0, server)
-        for size in sizes:
-            progress(f"{size} nodes")
-            rows.append(measure(server, size, args))
+    args.ksm = Ksm(args.ksm == "auto")
+    progress(args.ksm.note)
+    settings = {**SETTINGS}
+    if not args.ksm.on:
+        settings["HPSIM_SIMULATION__MERGE_AGENT_PAGES"] = "false"
+    try:
+        with BenchRun("hpsim-scale-bench-", shm=True) as run:
+            args.workdir = run.workdir
+            server = run.serve({**settings, "HPSIM_SIMULATION__SHM_ROOT": str(run.shm_root)})
+            run.ready(120.0, server)
+            for size in sizes:
+                progress(f"{size} nodes")
+                rows.append(measure(server, size, args))
+    finally:
+        args.ksm.restore()
     notes = [
         "PSS: serve and every process below it (agents, their launcher, the embedded S3), "
-        f"after {args.settle_s:g} s idle.",
-        f"idle cores: CPU time of those processes over {args.idle_s:g} s with nothing asked of them.",
+        f"after {args.settle_s:g} s idle, with ksmd on {MERGE_SCANS} of its full scans and "
+        f"{args.steady_s:g} s at its steady rate, and the idle window.",
+        args.ksm.note,
+        f"idle cores: CPU time of those processes and of ksmd over {args.idle_s:g} s with nothing "
+        "asked of them.",
         f"rollout: UpdateCluster to InService, median of {args.rollouts}; latest: through an agent that is "
         f"not a home, {args.latest_calls} calls after one saved step of N + 1 ranks.",
     ]

@@ -169,6 +169,14 @@ class SimulationSettings(BaseModel):
         "on this machine: 1/1024 makes a GiB of instance memory a MiB here, so a many-node cluster "
         "of big instances fits on one small machine.",
     )
+    merge_agent_pages: bool = Field(
+        default=True,
+        description="local mode, forked agents: the agent launcher marks its memory and its agents' "
+        "mergeable by the kernel's same-page merging (KSM, prctl PR_SET_MEMORY_MERGE, Linux 6.4 or "
+        "later): pages the agents hold alike (the Python objects they touch and put back) are kept "
+        "once. It takes effect only while the machine's ksmd runs (root: "
+        "`echo 1 > /sys/kernel/mm/ksm/run`); about half of each agent's memory (docs/nodes.md).",
+    )
 
 
 EmbeddedS3Kind = Literal["seaweedfs", "moto", "off"]

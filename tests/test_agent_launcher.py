@@ -1,7 +1,8 @@
 """The agent launcher (hyperpod_sim/agents/launcher/, hyperpod_sim/infra/launcher.py): the local
 provisioner's default agents are forked by it, each in a session of its own; killing one touches
 no other node; DeleteCluster leaves none; a restart of serve adopts them. Its socket refuses
-another user, malformed JSON and requests of the wrong shape, and starts nothing for them."""
+another user, malformed JSON and requests of the wrong shape, and starts nothing for them. It marks
+its memory and its agents' mergeable by the kernel's same-page merging unless told not to."""
 
 from __future__ import annotations
 
@@ -348,3 +349,54 @@ def test_a_forked_agent_with_an_invalid_setting_says_so_in_its_own_log(
     wait_for(lambda: "invalid settings" in (log.read_text() if log.exists() else ""), timeout=30)
     assert "--port (HPSIM_AGENT_PORT)" in log.read_text()
     wait_for(lambda: pid not in children_of(launcher.pid or 0), timeout=30, what="the agent to exit")
+
+
+# ---------------------------------------------------------------------- same-page merging (KSM)
+
+
+def merge_any(pid: int) -> bool | None:
+    """Whether the kernel may merge any of the process's anonymous pages (``ksm_merge_any`` of
+    /proc/<pid>/ksm_stat); None where it does not say."""
+    try:
+        text = Path(f"/proc/{pid}/ksm_stat").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("ksm_merge_any:"):
+            return line.split(":", 1)[1].strip() == "yes"
+    return None
+
+
+@pytest.mark.skipif(
+    merge_any(os.getpid()) is None, reason="this kernel does not report ksm_merge_any (/proc/<pid>/ksm_stat)"
+)
+@pytest.mark.parametrize("merge", [True, False], ids=["merge", "no-merge"])
+def test_an_agent_forked_by_the_launcher_has_mergeable_pages_unless_turned_off(
+    tmp_path: Path, merge: bool
+) -> None:
+    # What the agents only touched is copied into each of them alike: the launcher marks its
+    # memory mergeable (prctl PR_SET_MEMORY_MERGE) and every agent it forks inherits the mark, so
+    # the machine's ksmd (where it runs) keeps those pages once. merge_agent_pages=false: neither.
+    launcher = AgentLauncher(
+        directory=tmp_path / "launcher", env=agent_environment(os.environ), merge_pages=merge
+    )
+    try:
+        env = {**agent_environment(os.environ), "HPSIM_AGENT_TOKEN": "t" * 32}
+        argv = [
+            *default_agent_command(),
+            *("--control-plane", "http://127.0.0.1:9", "--cluster", "c", "--node-id", "i-0123456789abcdef0"),
+            *("--data-dir", str(tmp_path / "agent"), "--shm-dir", str(tmp_path / "shm")),
+            *("--host", "127.0.0.1", "--port", "0"),
+        ]
+        log = tmp_path / "agent.log"
+        pid = launcher.launch(argv, env=env, log_path=log)
+        wait_for(lambda: "hyperpod-sim agent on" in (log.read_text() if log.exists() else ""), timeout=30)
+        assert merge_any(pid) is merge
+        assert launcher.pid is not None
+        assert merge_any(launcher.pid) is merge
+        said = (tmp_path / "launcher" / "launcher.log").read_text()
+        assert ("pages are mergeable" in said) is merge, said
+        assert merge_any(os.getpid()) is False  # the mark stays with the launcher and its agents
+    finally:
+        launcher.stop()
+        kill_processes_under(tmp_path)

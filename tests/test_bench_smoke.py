@@ -26,7 +26,7 @@ SMALL = {
     "s3_tier": "--sizes 8 --repeats 1 --saves 2 --save-size 4",
     "checkpoint_path": "--sizes 16 --repeats 2",
     "reshard": "--size 16 --repeats 1",
-    "scale": "--sizes 2,4 --settle-s 1 --idle-s 1 --latest-calls 3 --rollouts 1",
+    "scale": "--sizes 2,4 --settle-s 1 --steady-s 1 --idle-s 1 --latest-calls 3 --rollouts 1",
 }
 
 

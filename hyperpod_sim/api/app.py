@@ -158,6 +158,7 @@ def build_services(
             kill_grace_s=provisioning.kill_grace_s,
             agent_env=agent_env,
             network=node_network(settings) if provisioning.mode == "local" else None,
+            merge_agent_pages=settings.simulation.merge_agent_pages,
         )
     # Read once: `serve` has put the embedded endpoint in the settings before this runs.
     s3_endpoint = S3Endpoint(url=settings.s3.endpoint_url, region=settings.s3.region)

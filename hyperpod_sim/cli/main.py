@@ -255,6 +255,7 @@ def _agent_launcher(args: argparse.Namespace) -> int:
         parent=args.parent,
         entry=lambda argv: main(argv, parser=parser),
         agent_command=default_agent_command(),
+        merge_pages=args.merge_pages,
     )
 
 
@@ -339,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     launcher.add_argument("--socket", required=True, help="the Unix socket to listen on")
     launcher.add_argument("--parent", type=int, required=True, help="exit once this pid is not the parent")
     launcher.add_argument("--room", default="", help="padding: room for a forked agent's command line")
+    launcher.add_argument(
+        "--no-merge-pages",
+        dest="merge_pages",
+        action="store_false",
+        help="do not mark the agents' memory mergeable by the kernel's same-page merging (KSM)",
+    )
     launcher.set_defaults(func=_agent_launcher)
 
     from hyperpod_sim.cli import (

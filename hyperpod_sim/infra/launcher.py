@@ -32,12 +32,13 @@ class LauncherError(OSError):
     """The launcher could not start an agent (an OSError: a failed start, tried again)."""
 
 
-def launcher_command(socket_path: Path) -> list[str]:
+def launcher_command(socket_path: Path, *, merge_pages: bool = True) -> list[str]:
     """The launcher's command line: this interpreter, serve's pid as its parent, room to spare."""
     return [
         sys.executable,
         *("-m", "hyperpod_sim", "agent-launcher"),
         *("--socket", str(socket_path), "--parent", str(os.getpid())),
+        *(() if merge_pages else ("--no-merge-pages",)),
         *("--room", "." * ROOM),
     ]
 
@@ -48,6 +49,7 @@ class AgentLauncher:
 
     directory: Path  # <data dir>/launcher
     env: Mapping[str, str]  # the launcher's own environment: the agents' base
+    merge_pages: bool = True  # its memory and its agents' mergeable by KSM (agents/launcher/server.py)
     _process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -67,7 +69,9 @@ class AgentLauncher:
             self.socket_path.unlink()  # a dead launcher's: the new one's appearing means it is up
         env = {**self.env, ROOM_VARIABLE: "." * ROOM}
         self._process = spawn(
-            launcher_command(self.socket_path), env=env, log_path=self.directory / "launcher.log"
+            launcher_command(self.socket_path, merge_pages=self.merge_pages),
+            env=env,
+            log_path=self.directory / "launcher.log",
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.socket_path.exists():

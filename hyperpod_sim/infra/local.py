@@ -130,6 +130,7 @@ class LocalProvisioner:
     network: netns.NodeNetwork | None = None
     # The agent launcher (infra/launcher.py), started at the first launch it serves: see ``_forks``.
     launcher: AgentLauncher | None = None
+    merge_agent_pages: bool = True  # SimulationSettings.merge_agent_pages, for the launcher
     # node id -> its agent, running or exited (until it is started again or its node is gone).
     _agents: dict[str, _Agent] = field(default_factory=dict)
     # node id -> when its agent was sent SIGTERM, for the SIGKILL of agents that do not stop.
@@ -161,7 +162,9 @@ class LocalProvisioner:
     def _launcher(self) -> AgentLauncher:
         if self.launcher is None:
             base = {**agent_environment(os.environ), **self.agent_env}
-            self.launcher = AgentLauncher(directory=self.data_dir / "launcher", env=base)
+            self.launcher = AgentLauncher(
+                directory=self.data_dir / "launcher", env=base, merge_pages=self.merge_agent_pages
+            )
         return self.launcher
 
     def launch(self, cluster: Cluster, node: Node) -> bool:
@@ -477,6 +480,7 @@ def make_provisioner(
     kill_grace_s: float,
     agent_env: Mapping[str, str] | None = None,
     network: netns.NodeNetwork | None = None,
+    merge_agent_pages: bool = True,
 ) -> Provisioner:
     if mode == "simulated":
         return SimulatedProvisioner()
@@ -490,4 +494,5 @@ def make_provisioner(
         kill_grace_s=kill_grace_s,
         agent_env=dict(agent_env or {}),
         network=network,
+        merge_agent_pages=merge_agent_pages,
     )
