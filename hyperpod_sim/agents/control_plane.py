@@ -18,6 +18,7 @@ import httpx
 from hyperpod_sim.agents.http import tls
 from hyperpod_sim.contracts.agent_api import (
     AGENT_API_PREFIX,
+    AGENT_KEEPALIVE_S,
     HEARTBEAT_ROUTE,
     NODE_POLICY_ROUTE,
     REGISTER_ROUTE,
@@ -94,6 +95,7 @@ class ControlPlaneClient:
             timeout=timeout_s,
             trust_env=False,
             verify=tls.client_context(),
+            limits=httpx.Limits(keepalive_expiry=AGENT_KEEPALIVE_S),
             transport=transport,
             event_hooks={"request": [self._check_partition]},
         )

@@ -26,6 +26,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import resource
 import signal
 import socket
 import threading
@@ -37,6 +38,7 @@ from typing import Any
 import uvicorn
 from sqlalchemy.engine import make_url
 
+from hyperpod_sim.contracts.agent_api import SERVER_KEEPALIVE_S
 from hyperpod_sim.contracts.shm import private_directory
 from hyperpod_sim.settings import Settings
 
@@ -171,6 +173,16 @@ class StopSignals:
         return taken
 
 
+def raise_open_files_limit() -> None:
+    """Raise the soft limit on open files to the hard one: every agent keeps a connection to serve
+    (``SERVER_KEEPALIVE_S``), and a 1,024-node cluster's would not fit under a soft limit of 1,024,
+    the default of many systems."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def run(
     app: Any,
     *,
@@ -184,8 +196,18 @@ def run(
     stop gracefully (see the module's docstring). ``early``: the signals recorded since serve
     started (in force around this call), replayed once uvicorn is up."""
     host, port = listener.getsockname()[:2]
+    raise_open_files_limit()
     server = ControlPlaneServer(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False), app, early=early
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            timeout_keep_alive=int(SERVER_KEEPALIVE_S),
+        ),
+        app,
+        early=early,
     )
     server.run(sockets=[listener, *extra])
     if not server.started:
