@@ -10,6 +10,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from typing import Protocol
 
 from sqlalchemy import case, select, update
 from sqlalchemy.orm import Session
@@ -62,7 +63,31 @@ PUSHED = (
 )
 
 
-def needs_push(cluster: Cluster, node: Node) -> bool:
+class PushedCluster(Protocol):
+    """What ``needs_push`` asks of a cluster: a ``Cluster``, or a heartbeat's row of columns."""
+
+    @property
+    def generation(self) -> int: ...
+
+
+class PushedNode(Protocol):
+    """What ``needs_push`` and ``push_coming`` ask of a node: a ``Node``, or a heartbeat's row."""
+
+    @property
+    def status(self) -> str: ...
+    @property
+    def endpoint(self) -> str | None: ...
+    @property
+    def push_token(self) -> str | None: ...
+    @property
+    def acked_generation(self) -> int: ...
+    @property
+    def push_claimed_until(self) -> datetime | None: ...
+    @property
+    def next_push_at(self) -> datetime | None: ...
+
+
+def needs_push(cluster: PushedCluster, node: PushedNode) -> bool:
     """Whether the node's agent is pushed the cluster's generation: it has not applied it, and it
     registered with this control plane's tokens on a node that is pushed to."""
     return (
@@ -73,7 +98,7 @@ def needs_push(cluster: Cluster, node: Node) -> bool:
     )
 
 
-def push_coming(cluster: Cluster, node: Node, now: datetime) -> bool:
+def push_coming(cluster: PushedCluster, node: PushedNode, now: datetime) -> bool:
     """Whether a push of the cluster's generation is on its way to the node: claimed and its lease
     not run out, or due at the reconciler's next pass (no retry waits). An agent behind waits for
     it rather than pulling the policy (domain/nodes/agents.py, the heartbeat)."""
