@@ -172,7 +172,9 @@ KSM = Path("/sys/kernel/mm/ksm")
 # measurement and after, 1,000 every 200 ms. README, "A large cluster", says the same.
 KSM_FAST = {"pages_to_scan": "2000", "sleep_millisecs": "20"}
 KSM_STEADY = {"pages_to_scan": "1000", "sleep_millisecs": "200"}
-MERGE_SCANS = 2  # full scans after the cluster is up before memory is read: a page merges at its second
+# Merging has settled once a whole full scan (one that began after the cluster was up) added
+# fewer than MERGE_SETTLED of the pages merged: a page merges at the second scan that finds it alike.
+MERGE_SETTLED = 0.02
 
 
 def ksm_read(name: str) -> str | None:
@@ -210,7 +212,7 @@ class Ksm:
             return
         self.note = (
             f"ksm: ksmd on, {KSM_FAST['pages_to_scan']} pages every {KSM_FAST['sleep_millisecs']} ms "
-            f"while the cluster's pages merge ({MERGE_SCANS} full scans), then "
+            f"while the cluster's pages merge (until a full scan adds under {MERGE_SETTLED:.0%}), then "
             f"{KSM_STEADY['pages_to_scan']} every {KSM_STEADY['sleep_millisecs']} ms"
         )
 
@@ -243,20 +245,27 @@ class Ksm:
         return int(ksm_read("full_scans") or 0)
 
     def settle(self, deadline_s: float) -> float:
-        """At the fast rate, wait for MERGE_SCANS full scans from now (``deadline_s`` at most),
-        then back to the steady rate: the seconds waited."""
+        """At the fast rate, wait until merging has settled (``deadline_s`` at most), then back to
+        the steady rate: the seconds waited."""
         if not self.on:
             return 0.0
-        started, first = time.perf_counter(), self.full_scans()
+        started = time.perf_counter()
         if self.saved:
             self.rate(KSM_FAST)
+        # (full scans, pages sharing) at the end of each full scan seen; the first seen ends a scan
+        # that may have begun before the cluster was up.
+        ends: list[tuple[int, int]] = [(self.full_scans(), 0)]
+
+        def settled() -> bool | None:
+            scans, sharing = self.full_scans(), int(ksm_read("pages_sharing") or 0)
+            if scans != ends[-1][0]:
+                ends.append((scans, sharing))
+            if len(ends) < 4:  # the first whole scan's end, and one more
+                return None
+            return True if ends[-1][1] - ends[-2][1] < MERGE_SETTLED * max(1, ends[-1][1]) else None
+
         try:
-            poll(
-                lambda: True if self.full_scans() >= first + MERGE_SCANS else None,
-                deadline_s,
-                1.0,
-                lambda: TimeoutError(f"ksmd made fewer than {MERGE_SCANS} full scans in {deadline_s} s"),
-            )
+            poll(settled, deadline_s, 1.0, lambda: TimeoutError(f"merging not settled in {deadline_s} s"))
         finally:
             if self.saved:
                 self.rate(KSM_STEADY)
@@ -380,7 +389,8 @@ class Row:
     idle_serve_cores: float
     idle_agents_cores: float
     idle_ksmd_cores: float  # the kernel's same-page merging thread, counted in idle_cpu_cores
-    merge_s: float  # waited after settling for ksmd's MERGE_SCANS full scans
+    merge_s: float  # waited after settling for ksmd's merging to settle
+    pss_merged_mib: float  # right after merging settled, before the steady wait (shown, not judged)
     rollout_s: float
     rollout_cpu_serve_s: float  # CPU time of one rollout (the mean), serve's and all agents'
     rollout_cpu_agents_s: float
@@ -435,6 +445,8 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
         agents = agent_pids(data_dir, node_ids)
         time.sleep(args.settle_s)  # the starts' traffic settles before memory and idle CPU are read
         merge_s = args.ksm.settle(args.merge_max_s)
+        processes = sorted(set(tree(server.proc.pid)) | set(agents))
+        pss_merged = sum(p for p in (pss_bytes(pid) for pid in processes) if p is not None)
         if args.ksm.on:
             # At ksmd's steady rate, the agents' heartbeats and timers copy again what they touch:
             # memory is read after this and the idle window, not at the merge's best.
@@ -464,7 +476,8 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
         serve_idle_cores = serve_idle / args.idle_s
         progress(
             f"  {size:>5} nodes: {pss / MIB:.0f} MiB PSS in {len(processes)} processes "
-            f"({merge_s:.0f} s of merging waited for), idle {idle_cores:.2f} cores "
+            f"({pss_merged / MIB:.0f} MiB once merging settled after {merge_s:.0f} s), "
+            f"idle {idle_cores:.2f} cores "
             f"(serve {serve_idle_cores:.2f}, agents {agents_idle_cores:.2f}, ksmd {ksmd_idle_cores:.2f})"
         )
 
@@ -537,6 +550,7 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
         idle_agents_cores=round(agents_idle_cores, 3),
         idle_ksmd_cores=round(ksmd_idle_cores, 3),
         merge_s=round(merge_s, 1),
+        pss_merged_mib=round(pss_merged / MIB, 1),
         rollout_s=round(statistics.median(rollouts), 3),
         rollout_cpu_serve_s=round(rollout_serve_s, 3),
         rollout_cpu_agents_s=round(rollout_agents_s, 3),
@@ -679,7 +693,7 @@ def main() -> int:
         args.ksm.restore()
     notes = [
         "PSS: serve and every process below it (agents, their launcher, the embedded S3), "
-        f"after {args.settle_s:g} s idle, with ksmd on {MERGE_SCANS} of its full scans and "
+        f"after {args.settle_s:g} s idle, with ksmd on its merging settled and "
         f"{args.steady_s:g} s at its steady rate, and the idle window.",
         args.ksm.note,
         f"idle cores: CPU time of those processes and of ksmd over {args.idle_s:g} s with nothing "

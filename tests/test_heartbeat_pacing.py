@@ -1,7 +1,7 @@
 """A control plane of many agents: each agent's heartbeat interval grows past
 ``heartbeat_full_rate_nodes`` agents, the heartbeat timeout with it, and agents follow the interval
 the control plane answers; registrations past a few at once are refused at once with a
-``Retry-After`` that agents wait."""
+``Retry-After`` that agents wait; an agent keeps one connection to serve between heartbeats."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,9 +21,10 @@ from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.api.agent_routes import Admission
 from hyperpod_sim.domain.nodes.pacing import MAX_SLOWDOWN, MISSES, HeartbeatPacing
-from hyperpod_sim.infra.processes import find_agent_pids
+from hyperpod_sim.infra.processes import Pidfile, find_agent_pids
+from hyperpod_sim.sdk.client import HyperPodClient
 from tests.agents import create_tiered, nodes, wait_status
-from tests.conftest import ControlPlane, node_token, wait_for
+from tests.conftest import ControlPlane, ServerProcess, group, kill_processes_under, node_token, wait_for
 
 
 def test_up_to_the_full_rate_every_agent_keeps_the_configured_interval_and_timeout() -> None:
@@ -348,3 +350,66 @@ def test_a_member_change_shows_in_the_member_list_at_once(agent_plane: ControlPl
         assert node is not None
         node.endpoint = "http://127.0.0.1:9"
     assert endpoints() == {**before, node_id: "http://127.0.0.1:9"}
+
+
+# ---------------------------------------------------------------------- one connection between heartbeats
+
+
+def tcp_peers(pid: int, port: int) -> set[int]:
+    """The local ports of the process's established TCP connections to ``port`` on loopback, from
+    its descriptors and /proc/net/tcp."""
+    inodes = set()
+    for fd in os.scandir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(fd.path)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = set()
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+            if inode in inodes and state == "01" and int(remote.split(":")[1], 16) == port:
+                found.add(int(local.split(":")[1], 16))
+    return found
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_an_agent_keeps_its_connection_to_serve_between_heartbeats(database_url: str, tmp_path: Path) -> None:
+    # Heartbeats 6 s apart: longer than httpx's and uvicorn's default keep-alive (5 s), under
+    # which each heartbeat of a large cluster's agents (every 16 s) opened a new connection.
+    env = {
+        "HPSIM_PROVISIONING__MODE": "local",
+        "HPSIM_PROVISIONING__HEARTBEAT_INTERVAL_S": "6",
+        "HPSIM_PROVISIONING__HEARTBEAT_TIMEOUT_S": "60",
+        "HPSIM_S3__EMBEDDED": "off",
+    }
+    server = ServerProcess(database_url, tmp_path, env).start()
+    try:
+        server.client().create_cluster(
+            ClusterName="kept", InstanceGroups=[group("workers", 1, "ml.c5.large")]
+        )
+        with HyperPodClient(server.url) as client:
+            client.wait_until_in_service("kept", timeout=90)
+            (node,) = client.list_nodes("kept")
+            pidfile = Pidfile.read(tmp_path.resolve() / "agents" / node["InstanceId"])
+            assert pidfile is not None
+
+            def heartbeat() -> float:
+                (listed,) = client.list_nodes("kept")
+                return float(listed["AgentStatus"]["LastHeartbeatTime"])
+
+            seen: list[set[int]] = []
+            last = heartbeat()
+            for _ in range(3):  # three heartbeats, each 6 s after the one before
+                wait_for(lambda: heartbeat() > last, timeout=30, what="the next heartbeat")  # noqa: B023
+                last = heartbeat()
+                seen.append(tcp_peers(pidfile.pid, server.port))
+        # The same connection after each: not a new one (a new local port) per heartbeat.
+        assert seen[0], "the agent holds no connection to serve after a heartbeat"
+        assert seen == [seen[0]] * 3, f"the agent's connections to serve after each heartbeat: ports {seen}"
+    finally:
+        server.stop()
+        kill_processes_under(tmp_path)
