@@ -181,7 +181,8 @@ def test_move_through_its_body_only_route(control_plane: ControlPlane, http: htt
     # The AWS shape of an error, as on every route: a cluster that does not exist is a 404.
     target = where(sm)["TargetClusterArn"]
     # A cluster id is random: change its last character to one it is not, so the ARN names no cluster.
-    gone = {**where(sm), "TargetClusterArn": target[:-1] + ("x" if target[-1] != "x" else "y"), "NodeIds": [moved]}
+    other = "x" if target[-1] != "x" else "y"
+    gone = {**where(sm), "TargetClusterArn": target[:-1] + other, "NodeIds": [moved]}
     refused = http.post("/cluster-nodes/move", json=gone)
     assert refused.status_code == 404
     assert refused.json()["__type"] == "ResourceNotFound"
