@@ -141,6 +141,14 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
     return ticks
 
 
+def cpu_s(before: dict[int, int], after: dict[int, int], pids: list[int] | None = None) -> float:
+    """CPU seconds that ``pids`` (None: every process of ``after``) used between two ``cpu_ticks``
+    readings; a process missing from either reading counts nothing."""
+    chosen = after if pids is None else pids
+    ticks = sum(after[p] - before[p] for p in chosen if p in after and p in before)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def agent_pids(data_dir: Path, node_ids: list[str]) -> list[int]:
     """The agent processes of ``node_ids``, from the pidfiles the provisioner writes."""
     from hyperpod_sim.infra.processes import Pidfile
@@ -456,24 +464,14 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
         ticks_before = cpu_ticks(processes + ksmd)
         time.sleep(args.idle_s)  # the measurement: nothing asked of the cluster
         ticks_after = cpu_ticks(processes + ksmd)
-        idle = sum(ticks_after[p] - ticks_before[p] for p in ticks_after if p in ticks_before)
-        idle_cores = idle / os.sysconf("SC_CLK_TCK") / args.idle_s
-        ksmd_idle = sum(
-            ticks_after[p] - ticks_before[p] for p in ksmd if p in ticks_after and p in ticks_before
-        )
-        ksmd_idle_cores = ksmd_idle / os.sysconf("SC_CLK_TCK") / args.idle_s
+        idle_cores = cpu_s(ticks_before, ticks_after) / args.idle_s
+        ksmd_idle_cores = cpu_s(ticks_before, ticks_after, ksmd) / args.idle_s
         # Read after the idle window: with ksmd at its steady rate, what the agents' heartbeats
         # have copied again since their pages merged counts.
         pss = sum(p for p in (pss_bytes(pid) for pid in processes) if p is not None)
         serve_pid = server.proc.pid
-        serve_idle = (ticks_after.get(serve_pid, 0) - ticks_before.get(serve_pid, 0)) / os.sysconf(
-            "SC_CLK_TCK"
-        )
-        agents_idle = sum(
-            ticks_after[p] - ticks_before[p] for p in agents if p in ticks_after and p in ticks_before
-        )
-        agents_idle_cores = agents_idle / os.sysconf("SC_CLK_TCK") / args.idle_s
-        serve_idle_cores = serve_idle / args.idle_s
+        agents_idle_cores = cpu_s(ticks_before, ticks_after, agents) / args.idle_s
+        serve_idle_cores = cpu_s(ticks_before, ticks_after, [serve_pid]) / args.idle_s
         progress(
             f"  {size:>5} nodes: {pss / MIB:.0f} MiB PSS in {len(processes)} processes "
             f"({pss_merged / MIB:.0f} MiB once merging settled after {merge_s:.0f} s), "
@@ -495,16 +493,8 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
             wait_status(client, name, "InService", args.create_timeout_s)
             rollouts.append(time.perf_counter() - started)
         rollout_after = cpu_ticks(processes)
-        per_rollout = os.sysconf("SC_CLK_TCK") * max(1, args.rollouts)
-        rollout_serve_s = (rollout_after.get(serve_pid, 0) - rollout_before.get(serve_pid, 0)) / per_rollout
-        rollout_agents_s = (
-            sum(
-                rollout_after[p] - rollout_before[p]
-                for p in agents
-                if p in rollout_after and p in rollout_before
-            )
-            / per_rollout
-        )
+        rollout_serve_s = cpu_s(rollout_before, rollout_after, [serve_pid]) / max(1, args.rollouts)
+        rollout_agents_s = cpu_s(rollout_before, rollout_after, agents) / max(1, args.rollouts)
         progress(
             f"  {size:>5} nodes: rollouts {[round(r, 2) for r in rollouts]} s; CPU of one: serve "
             f"{rollout_serve_s:.2f} s, agents {rollout_agents_s:.2f} s"
@@ -573,7 +563,7 @@ def quieten(processes: list[int], cores: float) -> float:
         before = cpu_ticks(processes)
         time.sleep(QUIET_WINDOW_S)
         after = cpu_ticks(processes)
-        used = sum(after[p] - before[p] for p in after if p in before) / os.sysconf("SC_CLK_TCK")
+        used = cpu_s(before, after)
         if used / QUIET_WINDOW_S <= cores:
             break
     return time.perf_counter() - started

@@ -178,7 +178,8 @@ def raise_open_files_limit() -> None:
     (``SERVER_KEEPALIVE_S``), and a 1,024-node cluster's would not fit under a soft limit of 1,024,
     the default of many systems."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+    # An unlimited hard limit cannot be a soft one for open files (the kernel's nr_open bounds it).
+    if resource.RLIM_INFINITY not in (soft, hard) and soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
