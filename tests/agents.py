@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -68,3 +70,27 @@ def start_agent(plane_url: str, cluster: str, token: str, data_dir: Path) -> sub
         return subprocess.Popen(
             argv, env={**os.environ, "HPSIM_AGENT_TOKEN": token}, stdout=subprocess.DEVNULL, stderr=log
         )
+
+
+def connections_to(endpoint: str) -> set[int]:
+    """The local ports of this process's established TCP connections to the agent at ``endpoint``
+    (``http://host:port``, IPv4): ``/proc/self/fd`` against ``/proc/self/net/tcp``."""
+    url = urlsplit(endpoint)
+    # /proc/net/tcp's remote address: the IPv4 address as a little-endian hex word, then the port.
+    wanted = f"{socket.inet_aton(url.hostname or '').hex()}"
+    wanted = "".join(reversed([wanted[i : i + 2] for i in range(0, 8, 2)])).upper() + f":{url.port:04X}"
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+        if state == "01" and inode in inodes and remote == wanted:
+            ports.add(int(local.split(":")[1], 16))
+    return ports

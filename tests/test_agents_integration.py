@@ -6,6 +6,7 @@ loopback port) on the real clock, with short heartbeat intervals.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from hyperpod_sim.infra.processes import find_agent_pids
 from tests.agents import (
     agent_policy,
+    connections_to,
     create_tiered,
     event_texts,
     expected_budget,
@@ -101,6 +103,48 @@ def test_rollout_budget_and_ring(agent_plane: ControlPlane, sm: Any) -> None:
         assert policy["tiered_storage"] == {"enabled": False, "memory_percentage": None}
         assert policy["memory_budget_bytes"] == 0
         assert policy["replication"] == {"factor": 0, "peers": []}
+
+
+def test_the_control_plane_keeps_its_connection_to_each_agent_between_rollouts(
+    agent_plane: ControlPlane, sm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rollout pushes over the connections the one before left open (the control plane runs
+    in this process): the agents' side of a push is a third of its cost without a new connection."""
+    create_tiered(sm, "kept", 2)
+    wait_status(sm, "kept", "InService")
+
+    def roll_out(percentage: int) -> dict[str, set[int]]:
+        sm.update_cluster(
+            ClusterName="kept",
+            TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": percentage},
+        )
+        wait_status(sm, "kept", "InService")
+        kept = {}
+        for node in nodes(agent_plane, "kept"):
+            assert agent_policy(node)["memory_budget_bytes"] == expected_budget("ml.p5.48xlarge", percentage)
+            kept[node["InstanceId"]] = connections_to(node["AgentStatus"]["Endpoint"])
+        return kept
+
+    first = roll_out(30)
+    assert [len(ports) for ports in first.values()] == [1, 1], first
+    assert roll_out(40) == first
+
+    # An agent killed and started again registers anew: its next push goes out on a new
+    # connection, without a failed push first.
+    victim = next(iter(first))
+    (pid,) = find_agent_pids(victim)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: find_agent_pids(victim) not in ([], [pid]), timeout=60, what="the agent's restart")
+    wait_for(
+        lambda: all(n["AgentStatus"].get("AppliedPolicyGeneration") == 3 for n in nodes(agent_plane, "kept")),
+        timeout=60,
+        what="the restarted agent's registration",
+    )
+    with caplog.at_level(logging.INFO, logger="hyperpod_sim.domain.checkpoints.pushes"):
+        third = roll_out(50)
+    assert third[victim] != first[victim]
+    assert len(third[victim]) == 1
+    assert not [r.message for r in caplog.records if "failed" in r.message]
 
 
 # Not about failure detection: a node failed for a few seconds' silence on a loaded machine would

@@ -19,6 +19,7 @@ import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -55,6 +56,7 @@ class App:
         self.blocked = threading.Event()  # set while /block waits
         self.routes: dict[str, Callable[[Request], Awaitable[Response]]] = {
             "GET /ping": self.ping,
+            "GET /keep": self.keep,
             "POST /upload": self.upload,
             "PUT /echo": self.echo,
             "POST /ignore": self.ignore,
@@ -69,6 +71,10 @@ class App:
 
     async def ping(self, request: Request) -> Response:
         return json_response(200, {"pong": True})
+
+    async def keep(self, request: Request) -> Response:
+        """An answer that keeps its connection a minute (as the agent's to the control plane)."""
+        return replace(json_response(200, {"kept": True}), keep_idle_s=60.0)
 
     async def upload(self, request: Request) -> Response:
         """Stream the body into an mmap with readinto; answer its size and SHA-256."""
@@ -564,6 +570,27 @@ def test_idle_connections_are_closed_after_the_idle_timeout(serve: Callable[...,
     client.deadline = time.monotonic() + 5
     assert client.closed_by_server()
     client.close()
+
+
+def test_an_answer_may_keep_its_connection_longer_than_the_idle_timeout(
+    serve: Callable[..., ServerThread],
+) -> None:
+    server = serve(idle_timeout_s=0.3)
+    kept = server.raw()
+    kept.send(head("GET", "/keep"))
+    assert kept.response()[0] == 200
+    plain = server.raw()  # answered after the kept one: its idle time starts later
+    plain.send(head("GET", "/ping"))
+    assert plain.response()[0] == 200
+    plain.deadline = time.monotonic() + 5
+    assert plain.closed_by_server()
+    plain.close()
+    # Idle longer than the server's timeout, and still served; the next answer does not keep it.
+    kept.deadline = time.monotonic() + 5
+    kept.send(head("GET", "/ping"))
+    assert kept.response()[0] == 200
+    assert kept.closed_by_server()
+    kept.close()
 
 
 def test_shutdown_closes_idle_and_busy_connections(serve: Callable[..., ServerThread]) -> None:

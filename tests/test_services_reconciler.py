@@ -276,11 +276,11 @@ def test_claim_pushes_claims_each_behind_node_once(
     behind, current = registered(db, "one", clock, acked=0)
     with locked(db, "one") as (_, cluster):
         next(n for n in cluster.nodes if n.id == current.id).acked_generation = 1
-    outcome = phase(db, "one", lambda s, c: claim_pushes(c, clock.now(), reconciler.pusher.config))
+    outcome = phase(db, "one", lambda s, c: claim_pushes(s, c, clock.now(), reconciler.pusher.config))
     (push,) = outcome.pushes
     assert (push.node_id, push.token, push.policy.generation) == (behind.id, "push-token", 1)
     # Claimed: the next pass leaves it to the push in flight, until the claim runs out.
-    outcome = phase(db, "one", lambda s, c: claim_pushes(c, clock.now(), reconciler.pusher.config))
+    outcome = phase(db, "one", lambda s, c: claim_pushes(s, c, clock.now(), reconciler.pusher.config))
     assert outcome.pushes == []
     assert outcome.due == clock.now() + timedelta(seconds=2)
 

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import parse_qs
 
 from hyperpod_sim.agents.access import refusal, route_credential
 from hyperpod_sim.agents.http.server import DropConnection, Request, Response, error_response, json_response
 from hyperpod_sim.agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier_metrics
-from hyperpod_sim.agents.state import AgentState, ApplyStatus
+from hyperpod_sim.agents.state import AgentState, ApplyStatus, Credential
 from hyperpod_sim.agents.tier import MemoryTier
 from hyperpod_sim.agents.tiermodel import TierError
 from hyperpod_sim.agents.tierroutes import Handler, Parameters, TierRoutes, tiering_off
 from hyperpod_sim.agents.tierroutes import refused as tier_refused
 from hyperpod_sim.contracts.agent_api import (
+    AGENT_PUSH_IDLE_S,
     HEALTH_PATH,
     METRICS_PATH,
     POLICY_PATH,
@@ -76,9 +77,13 @@ class AgentApp:
             if refused is not None:
                 return refused
         try:
-            return await endpoint.handler(request, found.parameters)
+            response = await endpoint.handler(request, found.parameters)
         except TierError as exc:
             return tier_refused(exc)
+        if credential is Credential.CONTROL_PLANE:
+            # The control plane keeps this connection for its next push (contracts/agent_api.py).
+            response = replace(response, keep_idle_s=AGENT_PUSH_IDLE_S)
+        return response
 
     @staticmethod
     def _no_method(request: Request, methods: Mapping[str, Endpoint]) -> Response:

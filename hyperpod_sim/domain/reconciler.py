@@ -319,7 +319,7 @@ class Reconciler:
         if _members(cluster) != members_before and cluster.status == ClusterStatus.IN_SERVICE:
             bump_generation(cluster)
         if self.provisioner.uses_agents:
-            outcome.merge(claim_pushes(cluster, now, self.pusher.config))
+            outcome.merge(claim_pushes(session, cluster, now, self.pusher.config))
         outcome.merge(self.settle_status(session, cluster, now, converged=outcome.converged))
         operations.settle(session, cluster=cluster, now=now)  # its operation Done once it is InService
         return outcome

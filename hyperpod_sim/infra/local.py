@@ -454,7 +454,8 @@ class LocalProvisioner:
                 signal_group(agent.pid, signal.SIGKILL)
                 del self._stopping[node_id]
         for agent in self._agents.values():
-            agent.alive()  # collects exited children
+            if agent.process is not None:
+                agent.alive()  # collects an exited child (one of the launcher's is the launcher's)
         for node_id in list(self._wipe):
             if self._running(node_id) is None:
                 wipe_shared_memory(self.shm_dir(node_id))

@@ -81,6 +81,7 @@ class Connection(asyncio.BufferedProtocol):
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._closed: asyncio.Future[None] = self._loop.create_future()
+        self._idle_s: float | None = None  # the last answer's keep_idle_s
         self.task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ protocol callbacks
@@ -339,6 +340,7 @@ class Connection(asyncio.BufferedProtocol):
                 return False
             keep_alive = request.keep_alive and not self._broken and await self._finish_body(request)
             await self._send(response, keep_alive=keep_alive)
+            self._idle_s = response.keep_idle_s
         finally:
             if response.on_sent is not None:
                 try:
@@ -390,7 +392,10 @@ class Connection(asyncio.BufferedProtocol):
             scanned = buffered
             if buffered and deadline is None:
                 deadline = self._loop.time() + self._server.read_timeout_s
-            timeout = self._server.idle_timeout_s if deadline is None else deadline - self._loop.time()
+            if deadline is None:
+                timeout = self._server.idle_timeout_s if self._idle_s is None else self._idle_s
+            else:
+                timeout = deadline - self._loop.time()
             try:
                 if timeout <= 0:
                     raise TimeoutError

@@ -68,6 +68,9 @@ class Response:
     content_type: str = "application/json"
     headers: tuple[tuple[str, str], ...] = ()
     on_sent: Callable[[], None] | None = None
+    # How long the connection may then wait for its next request; None: the server's idle timeout.
+    # A caller the handler trusts (the control plane, by its token) may keep its connection longer.
+    keep_idle_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.file is not None and len(self.body):

@@ -14,10 +14,11 @@ from typing import Protocol
 
 from sqlalchemy import case, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
-from hyperpod_sim.contracts.agent_api import POLICY_PATH
+from hyperpod_sim.contracts.agent_api import POLICY_PATH, PUSH_KEEPALIVE_S
 from hyperpod_sim.domain import events
-from hyperpod_sim.domain.checkpoints.agent_client import AgentConnection, AgentUnreachable, Answer
+from hyperpod_sim.domain.checkpoints.agent_client import AgentUnreachable, Answer, KeptConnections
 from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
 from hyperpod_sim.domain.checkpoints.node_policy import PolicyBuilder
 from hyperpod_sim.domain.clock import Clock, Ids
@@ -109,12 +110,14 @@ def push_coming(cluster: PushedCluster, node: PushedNode, now: datetime) -> bool
     return node.next_push_at is None or node.next_push_at <= now
 
 
-def claim_pushes(cluster: Cluster, now: datetime, config: PushConfig) -> Outcome:
+def claim_pushes(session: Session, cluster: Cluster, now: datetime, config: PushConfig) -> Outcome:
     """Claim a push of the cluster's generation for every node with an agent that has not applied
-    it (and that no one else is pushing, and whose retry is due)."""
+    it (and that no one else is pushing, and whose retry is due). The claims are written in one
+    statement per ``ACKNOWLEDGE_BATCH`` nodes, not flushed node by node: a rollout claims them all."""
     outcome = Outcome()
     policies: PolicyBuilder | None = None  # built at the first push: most passes have none
     lease = timedelta(seconds=config.timeout_s * 2)
+    claimed: list[str] = []
     for node in cluster.nodes:
         if not needs_push(cluster, node):
             continue
@@ -124,7 +127,8 @@ def claim_pushes(cluster: Cluster, now: datetime, config: PushConfig) -> Outcome
         if node.next_push_at is not None and node.next_push_at > now:
             outcome.note_due(node.next_push_at)
             continue
-        node.push_claimed_until = now + lease
+        set_committed_value(node, "push_claimed_until", now + lease)  # written below
+        claimed.append(node.id)
         if policies is None:
             members = [n for n in cluster.nodes if n.status in LIVE]
             policies = PolicyBuilder(
@@ -133,6 +137,13 @@ def claim_pushes(cluster: Cluster, now: datetime, config: PushConfig) -> Outcome
         assert node.endpoint is not None  # needs_push
         assert node.push_token is not None
         outcome.pushes.append(Push(node.id, node.endpoint, node.push_token, policies.policy(node)))
+    for at in range(0, len(claimed), ACKNOWLEDGE_BATCH):
+        session.execute(
+            update(Node)
+            .where(Node.id.in_(claimed[at : at + ACKNOWLEDGE_BATCH]))
+            .values(push_claimed_until=now + lease)
+            .execution_options(synchronize_session=False)
+        )
     return outcome
 
 
@@ -145,11 +156,15 @@ class PolicyPusher:
         self.ids = ids
         self.config = config
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="policy-push")
+        # One connection per agent, kept between rollouts (contracts/agent_api.py, PUSH_KEEPALIVE_S).
+        self.connections = KeptConnections(keep_s=PUSH_KEEPALIVE_S, timeout=config.timeout_s)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self.connections.close()
 
     def send(self, pushes: list[Push], *, reset: bool = False) -> list[PushResult]:
+        self.connections.sweep()
         return list(self._pool.map(lambda push: self.push_one(push, reset=reset), pushes))
 
     def push_one(self, push: Push, *, reset: bool = False) -> PushResult:
@@ -175,8 +190,8 @@ class PolicyPusher:
         return PushResult(push.node_id, generation, None, error, permanent, reset=reset)
 
     def _put_policy(self, push: Push, *, reset: bool) -> Answer:
-        """One PUT /v1/policy on a connection of its own."""
-        with AgentConnection(push.endpoint, token=push.token, timeout=self.config.timeout_s) as agent:
+        """One PUT /v1/policy, on the connection kept to the agent if there is one."""
+        with self.connections.connection(push.endpoint, push.token) as agent:
             path = f"{POLICY_PATH}?reset=true" if reset else POLICY_PATH
             return agent.call("PUT", path, body=push.policy.document())
 
