@@ -392,6 +392,7 @@ def create_app(
     docs_routes.install(app)
     console_routes.install(app)
     app.add_middleware(AwsJsonEntry)
+    app.add_middleware(agent_routes.HeartbeatEntry)
     # Outermost of our layers: nothing reaches a route (or the AWS JSON entry) without passing it.
     app.add_middleware(
         RequestGate,

@@ -355,3 +355,35 @@ def test_the_extensions_echo_values_cut_too(
         "message": f"1 validation error detected: Value '{'z' * 197}...' at '{where}' failed to satisfy "
         f"constraint: {constraint}",
     }
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "error"),
+    [
+        # Well-formed: answered by serve's heartbeat entry (agent_routes.HeartbeatEntry).
+        (b'{"applied_generation": 1}', {}, 401, "MissingToken"),
+        (b'{"applied_generation": 1}', {"Authorization": "Bearer forged"}, 404, "NodeNotFound"),
+        # Anything else goes on to the route, which answers as it always has.
+        (b'{"applied_generation": -1}', {}, 400, "InvalidRequest"),
+        (b'{"applied_generation": "one"}', {}, 400, "InvalidRequest"),
+        (b'{"applied_generation": 1', {}, 400, "InvalidRequest"),
+        (b"", {}, 400, "InvalidRequest"),
+        (b"[]", {}, 400, "InvalidRequest"),
+        (b'{"applied_generation": 1}', {"Content-Type": "text/plain"}, 400, "InvalidRequest"),
+    ],
+)
+def test_a_heartbeat_is_answered_in_the_agent_protocol_whatever_its_body(
+    control_plane: ControlPlane,
+    sm: Any,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+    error: str,
+) -> None:
+    response = httpx.post(
+        control_plane.url + "/agent/v1/clusters/nowhere/nodes/i-0123456789abcdef0/heartbeat",
+        content=body,
+        headers={"Content-Type": "application/json", **headers},
+    )
+    assert (response.status_code, response.json()["error"]) == (status, error), response.text
+    still_serves(control_plane, sm)
