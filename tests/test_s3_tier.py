@@ -101,10 +101,13 @@ def test_persist_every_n_steps_layout_markers_and_retention(
     # Each agent uploaded the ranks it owns: rank 1 was saved through node 1.
     assert metric(nodes[1], "hpsim_s3_uploaded_shards_total") >= 2
     # The node's details show the S3 tier, through the heartbeat.
-    first = httpx.get(f"{agent_plane.url}/clusters/persist/nodes").json()["ClusterNodeSummaries"][0]
+    # A loaded machine (CI's last minutes) may keep serve's answer past httpx's default 5 s.
+    first = httpx.get(f"{agent_plane.url}/clusters/persist/nodes", timeout=30).json()["ClusterNodeSummaries"][
+        0
+    ]
 
     def s3_status() -> dict[str, Any] | None:
-        node = httpx.get(f"{agent_plane.url}/clusters/persist/nodes/{first['InstanceId']}").json()
+        node = httpx.get(f"{agent_plane.url}/clusters/persist/nodes/{first['InstanceId']}", timeout=30).json()
         tier: dict[str, Any] | None = node["NodeDetails"]["AgentStatus"].get("S3Tier")
         return tier if tier and tier.get("LastPersistedSteps", {}).get("job") == 6 else None
 
