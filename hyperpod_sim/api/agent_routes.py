@@ -15,9 +15,10 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy.exc import OperationalError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hyperpod_sim.api.deps import Services, ServicesDep
+from hyperpod_sim.api.gate import replay, whole_body
 from hyperpod_sim.contracts.agent_api import (
     AGENT_API_PREFIX,
     EVENTS_ROUTE,
@@ -296,17 +297,11 @@ class HeartbeatEntry:
         if found is None or not _json_or_none(scope):
             await self.app(scope, receive, send)
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body = await whole_body(receive)
         try:
             beat = Heartbeat.model_validate_json(body)
         except ValidationError:
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay(body, receive), send)
             return
         request = Request(scope, receive)
         services: Services = scope["app"].state.services
@@ -329,20 +324,6 @@ def _json_or_none(scope: Scope) -> bool:
         if key == b"content-type":
             return bool(value.split(b";", 1)[0].strip().lower() == b"application/json")
     return True
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """``receive`` for the app behind: the body read already, then what comes after it."""
-    replayed = False
-
-    async def replay() -> Message:
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 @router.post(

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hyperpod_sim.api.deps import AMZ_JSON, as_aws_error, parse_json
+from hyperpod_sim.api.gate import whole_body
 from hyperpod_sim.api.registry import dispatch
 from hyperpod_sim.domain.errors import AwsError, UnknownOperationException
 
@@ -35,13 +36,7 @@ class AwsJsonEntry:
             if key == b"x-amz-target":
                 target = value.decode("latin-1")
                 break
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        status, payload, error_code = await self._handle(scope, target, b"".join(chunks))
+        status, payload, error_code = await self._handle(scope, target, await whole_body(receive))
         headers = [
             (b"content-type", AMZ_JSON.encode()),
             (b"content-length", str(len(payload)).encode()),

@@ -93,16 +93,7 @@ class RequestGate:
             return
         if principal is not None:
             scope.setdefault("state", {})["principal"] = principal
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay(body, receive), send)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes
@@ -179,3 +170,27 @@ class RequestGate:
         # Whatever of the body is still unread stays unread: the server closes the connection.
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the app behind a layer that read the body: that body, then what comes after."""
+    replayed = False
+
+    async def receive_again() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_again
+
+
+async def whole_body(receive: Receive) -> bytes:
+    """The request body, every chunk of it (the gate has bounded its size already)."""
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
