@@ -133,6 +133,10 @@ class NodePolicy(_Member):
         """The wire document (JSON-ready): the members set, and only those."""
         return self.model_dump(mode="json", exclude_unset=True)
 
+    def document_json(self) -> bytes:
+        """``document()`` as JSON bytes, serialized by pydantic in one call (a push's body)."""
+        return self.model_dump_json(exclude_unset=True).encode()
+
 
 class PolicyError(ValueError):
     """A document that is not a node policy; the message says which member is wrong and how."""

@@ -26,7 +26,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from hyperpod_sim.domain.clock import Ids
@@ -88,13 +88,15 @@ def scaling_details(
     return details
 
 
-def live_counts(cluster: Cluster) -> dict[str, int]:
-    """Live nodes (not shutting down, not moving away) per group name."""
-    counts: dict[str, int] = {}
-    for node in cluster.nodes:
-        if node.status not in LEAVING:
-            counts[node.group_name] = counts.get(node.group_name, 0) + 1
-    return counts
+def live_counts(session: Session, cluster: Cluster) -> dict[str, int]:
+    """Live nodes (not shutting down, not moving away) per group name, counted by the database
+    (an UpdateCluster of a large cluster loads none of its nodes)."""
+    rows = session.execute(
+        select(Node.group_name, func.count())
+        .where(Node.cluster_id == cluster.id, Node.status.not_in(list(LEAVING)))
+        .group_by(Node.group_name)
+    )
+    return {group: count for group, count in rows}
 
 
 def start_operation(

@@ -1,31 +1,42 @@
 """The control plane's one HTTP client for its calls to agents: policy pushes (domain/checkpoints/pushes.py)
 and the checkpoint listing's index reads (hyperpod_sim/domain/checkpoints/listing.py).
 
-Plain ``http.client`` connections (why, measured: docs/decisions/0002-http-client-towards-agents.md).
-A connection serves one agent for as long as the caller holds it (the listing reads every
-namespace's index over one), sends the control plane's ``User-Agent`` and the caller's bearer
-token, and never goes through a proxy from the environment. What goes wrong on the way (connect,
-timeout, a reply that is not HTTP) is raised as ``AgentUnreachable``; an answer, whatever its
-status, is returned. ``KeptConnections`` keeps one idle connection per agent between callers (the
-pusher's: every push of a rollout goes to an agent pushed before).
+Plain sockets, HTTP/1.1 with keep-alive, answers parsed by ``httptools`` (why, measured:
+docs/decisions/0002-http-client-towards-agents.md). A connection serves one agent for as long as
+the caller holds it (the listing reads every namespace's index over one), sends the control
+plane's ``User-Agent`` and the caller's bearer token, and never goes through a proxy from the
+environment. What goes wrong on the way (connect, timeout, a reply that is not HTTP) is
+``AgentUnreachable``; an answer, whatever its status, is an ``Answer``.
+
+``exchange`` runs many calls at once from the calling thread, each on its own connection, over
+one ``selectors`` loop: a rollout's pushes to a thousand agents are a thousand sockets, not a
+thousand blocking calls in threads. ``KeptConnections`` keeps one idle connection per agent
+between rollouts.
 """
 
 from __future__ import annotations
 
-import http.client
+import errno
 import json
+import os
+import selectors
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
+import httptools
+
 from hyperpod_sim.contracts.agent_api import CONTROL_PLANE_AGENT
 
-_CLOSED = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+_READ_BYTES = 65536
+_CLOSED = (BrokenPipeError, ConnectionResetError)
 
 
 class AgentUnreachable(Exception):
@@ -42,6 +53,37 @@ class Answer:
         return json.loads(self.text)
 
 
+@dataclass(frozen=True)
+class Call:
+    """One request to an agent, on ``connection``."""
+
+    connection: AgentConnection
+    method: str
+    path: str
+    body: bytes | None = None  # JSON, sent as application/json
+    timeout: float | None = None  # for the reply, instead of the connection's
+
+
+class _Reply:
+    """One response, parsed by httptools as it comes (these are its callbacks)."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.body: list[bytes] = []
+        self.keep_alive = False
+        self.complete = False
+
+    def on_headers_complete(self) -> None:
+        # Asked here: once the message is complete, the parser is ready for the next one.
+        self.keep_alive = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
 class AgentConnection:
     """One keep-alive connection to the agent at ``endpoint`` (``http://host:port``). ``timeout``:
     for each reply; ``connect_timeout``: for the connection (default ``timeout``)."""
@@ -50,12 +92,12 @@ class AgentConnection:
         self, endpoint: str, *, token: str, timeout: float, connect_timeout: float | None = None
     ) -> None:
         url = urlsplit(endpoint)
-        self._host = url.hostname or "127.0.0.1"
-        self._port = url.port or 80
-        self._token = token
-        self._timeout = timeout
-        self._connect_timeout = connect_timeout if connect_timeout is not None else timeout
-        self._connection: http.client.HTTPConnection | None = None
+        self.host = url.hostname or "127.0.0.1"
+        self.port = url.port or 80
+        self.token = token
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout if connect_timeout is not None else timeout
+        self.sock: socket.socket | None = None
 
     def __enter__(self) -> AgentConnection:
         return self
@@ -66,55 +108,210 @@ class AgentConnection:
         self.close()
 
     def close(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
     @property
     def open(self) -> bool:
         """Whether it holds a connection the next call can use (the agent may have closed it since)."""
-        return self._connection is not None
+        return self.sock is not None
 
     def call(self, method: str, path: str, *, body: object = None, timeout: float | None = None) -> Answer:
         """``method path`` with ``body`` as JSON (None: no body); the answer. ``timeout``: for
-        this reply instead of the connection's."""
-        headers = {"Authorization": f"Bearer {self._token}", "User-Agent": CONTROL_PLANE_AGENT}
-        payload = None
-        if body is not None:
-            payload = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        for attempt in (1, 2):
-            reused = self._connection is not None
-            try:
-                connection = self._connect()
-                if connection.sock is not None:
-                    connection.sock.settimeout(self._timeout if timeout is None else timeout)
-                connection.request(method, path, body=payload, headers=headers)
-                response = connection.getresponse()
-                text = response.read().decode(errors="replace")
-            except (OSError, http.client.HTTPException) as exc:
-                self.close()
-                # A kept-alive connection the agent closed meanwhile: once more on a new one.
-                if reused and attempt == 1 and isinstance(exc, _CLOSED):
-                    continue
-                raise AgentUnreachable(f"{type(exc).__name__}: {exc}") from exc
-            if response.will_close:
-                self.close()
-            return Answer(response.status, text)
-        raise AssertionError("unreachable")
+        this reply instead of the connection's. AgentUnreachable if there is none."""
+        payload = None if body is None else json.dumps(body).encode()
+        (result,) = exchange([Call(self, method, path, payload, timeout)])
+        if isinstance(result, AgentUnreachable):
+            raise result
+        return result
 
-    def _connect(self) -> http.client.HTTPConnection:
-        if self._connection is None:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=self._connect_timeout)
-            connection.connect()
-            self._connection = connection
-        return self._connection
+    def request_bytes(self, call: Call) -> bytes:
+        head = (
+            f"{call.method} {call.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"User-Agent: {CONTROL_PLANE_AGENT}\r\nAuthorization: Bearer {self.token}\r\n"
+        )
+        if call.body is None:
+            return (head + "\r\n").encode()
+        head += f"Content-Type: application/json\r\nContent-Length: {len(call.body)}\r\n\r\n"
+        return head.encode() + call.body
+
+
+@dataclass
+class _Exchange:
+    """A call under way: its request's bytes left to send, its reply so far, when it times out."""
+
+    index: int
+    call: Call
+    request: bytes
+    deadline: float
+    reused: bool  # on a kept connection (one the agent may have closed while it was idle)
+    reply: _Reply
+    sent: int = 0
+    connecting: bool = False
+    received: bool = False  # a byte of the reply came
+
+
+def exchange(calls: Sequence[Call], *, window: int | None = None) -> list[Answer | AgentUnreachable]:
+    """Make ``calls`` (each on its own connection), at most ``window`` at once (all: None): what
+    each got, in their order. Never raises for one call's failure. A kept connection the agent
+    closed while it was idle is retried once on a new one."""
+    with _Exchanges(calls) as exchanges:
+        return exchanges.run(len(calls) if window is None else max(1, window))
+
+
+class _Exchanges:
+    """``exchange``'s loop: non-blocking sockets on one selector, topped up to the window."""
+
+    def __init__(self, calls: Sequence[Call]) -> None:
+        self.results: list[Answer | AgentUnreachable | None] = [None] * len(calls)
+        self.waiting: deque[tuple[int, Call, bool]] = deque((i, c, False) for i, c in enumerate(calls))
+        self.under_way: dict[socket.socket, _Exchange] = {}
+        self.selector = selectors.DefaultSelector()
+
+    def __enter__(self) -> _Exchanges:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ex in list(self.under_way.values()):  # only if run() raised: nothing is left open
+            ex.call.connection.close()
+        self.selector.close()
+
+    def run(self, window: int) -> list[Answer | AgentUnreachable]:
+        while self.waiting or self.under_way:
+            while self.waiting and len(self.under_way) < window:
+                self.start(*self.waiting.popleft())
+            if not self.under_way:
+                continue
+            soonest = min(ex.deadline for ex in self.under_way.values())
+            for key, events in self.selector.select(max(0.0, soonest - time.monotonic())):
+                ex = key.data
+                if self.under_way.get(key.fileobj) is not ex:  # type: ignore[call-overload]
+                    continue
+                if events & selectors.EVENT_WRITE:
+                    self.write(ex)
+                elif events & selectors.EVENT_READ:
+                    self.read(ex)
+            now = time.monotonic()
+            for ex in [ex for ex in self.under_way.values() if ex.deadline <= now]:
+                agent = ex.call.connection
+                what = "connection" if ex.connecting else "answer"
+                self.fail(ex, f"TimeoutError: no {what} from {agent.host}:{agent.port} in time")
+        return [r if r is not None else AgentUnreachable("not sent") for r in self.results]
+
+    def start(self, index: int, call: Call, retry: bool) -> None:
+        connection = call.connection
+        timeout = connection.timeout if call.timeout is None else call.timeout
+        ex = _Exchange(
+            index=index,
+            call=call,
+            request=connection.request_bytes(call),
+            deadline=time.monotonic() + timeout,
+            reused=connection.sock is not None and not retry,
+            reply=_Reply(),
+        )
+        try:
+            if connection.sock is None:
+                ex.connecting = True
+                ex.deadline = time.monotonic() + connection.connect_timeout
+                connection.sock = _connect(connection.host, connection.port)
+            self.under_way[connection.sock] = ex
+            self.selector.register(connection.sock, selectors.EVENT_WRITE, ex)
+        except (OSError, ValueError) as exc:  # ValueError: a host name idna cannot encode
+            self.fail(ex, f"{type(exc).__name__}: {exc}")
+
+    def finish(self, ex: _Exchange, result: Answer | AgentUnreachable, *, retry: bool = False) -> None:
+        connection = ex.call.connection
+        sock = connection.sock
+        if sock is not None and self.under_way.get(sock) is ex:
+            del self.under_way[sock]
+            self.selector.unregister(sock)
+        if isinstance(result, AgentUnreachable):
+            connection.close()
+            # A kept connection the agent closed while it was idle: once more, on a new one.
+            if retry and ex.reused and not ex.received:
+                self.waiting.appendleft((ex.index, ex.call, True))
+                return
+        self.results[ex.index] = result
+
+    def fail(self, ex: _Exchange, message: str, *, closed: bool = False) -> None:
+        self.finish(ex, AgentUnreachable(message), retry=closed)
+
+    def write(self, ex: _Exchange) -> None:
+        connection = ex.call.connection
+        sock = connection.sock
+        assert sock is not None
+        if ex.connecting:
+            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code:
+                error = OSError(code, os.strerror(code))  # its subclass: ConnectionRefusedError, ...
+                self.fail(ex, f"{type(error).__name__}: {error}")
+                return
+            ex.connecting = False
+            timeout = connection.timeout if ex.call.timeout is None else ex.call.timeout
+            ex.deadline = time.monotonic() + timeout
+        try:
+            ex.sent += sock.send(memoryview(ex.request)[ex.sent :])
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.fail(ex, f"{type(exc).__name__}: {exc}", closed=isinstance(exc, _CLOSED))
+            return
+        if ex.sent >= len(ex.request):
+            self.selector.modify(sock, selectors.EVENT_READ, ex)
+
+    def read(self, ex: _Exchange) -> None:
+        connection = ex.call.connection
+        sock = connection.sock
+        assert sock is not None
+        try:
+            data = sock.recv(_READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.fail(ex, f"{type(exc).__name__}: {exc}", closed=isinstance(exc, _CLOSED))
+            return
+        if not data:
+            self.fail(
+                ex, "RemoteDisconnected: the agent closed the connection without an answer", closed=True
+            )
+            return
+        ex.received = True
+        try:
+            ex.reply.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.fail(ex, f"not an HTTP answer: {exc}")
+            return
+        if not ex.reply.complete:
+            return
+        status = ex.reply.parser.get_status_code()
+        self.finish(ex, Answer(status, b"".join(ex.reply.body).decode(errors="replace")))
+        if not ex.reply.keep_alive:
+            connection.close()
+
+
+def _connect(host: str, port: int) -> socket.socket:
+    """A non-blocking socket connecting to ``host:port`` (numeric addresses: no resolver call)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        socket.inet_pton(family, host)
+    except OSError:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        family, host = found[0], str(found[4][0])
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    code = sock.connect_ex((host, port))
+    if code not in (0, errno.EINPROGRESS):
+        sock.close()
+        raise OSError(code, os.strerror(code))  # its subclass: ConnectionRefusedError, ...
+    return sock
 
 
 class KeptConnections:
     """Idle connections to agents, at most one per (endpoint, token), kept ``keep_s`` seconds from
-    their last use; a caller that finds none opens one. Thread-safe: the pusher's threads share it.
-    A kept connection the agent closed meanwhile costs a retry on a new one (``AgentConnection``)."""
+    their last use; a caller that finds none opens one. Thread-safe. A kept connection the agent
+    closed meanwhile costs a retry on a new one (``exchange``)."""
 
     def __init__(self, *, keep_s: float, timeout: float) -> None:
         self._keep_s = keep_s
@@ -122,34 +319,39 @@ class KeptConnections:
         self._idle: dict[tuple[str, str], tuple[AgentConnection, float]] = {}
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self._idle)
-
-    @contextmanager
-    def connection(self, endpoint: str, token: str) -> Iterator[AgentConnection]:
-        """A connection to the agent at ``endpoint``: a kept one, or a new one. It is kept again if
-        the caller's calls left it open, and closed if the caller raised."""
+    def take(self, endpoint: str, token: str) -> AgentConnection:
+        """The kept connection to the agent at ``endpoint``, or a new one; ``give_back`` it."""
         key = (endpoint, token)
         with self._lock:
             kept = self._idle.pop(key, None)
-        if kept is not None and time.monotonic() - kept[1] > self._keep_s:
+        if kept is not None and time.monotonic() - kept[1] <= self._keep_s:
+            return kept[0]
+        if kept is not None:
             kept[0].close()
-            kept = None
-        connection = (
-            kept[0] if kept is not None else AgentConnection(endpoint, token=token, timeout=self._timeout)
-        )
+        return AgentConnection(endpoint, token=token, timeout=self._timeout)
+
+    def give_back(self, endpoint: str, connection: AgentConnection) -> None:
+        """Keep ``connection`` (taken for ``endpoint``) if its calls left it open."""
+        if not connection.open:
+            return
+        key = (endpoint, connection.token)
+        with self._lock:
+            replaced = self._idle.get(key)
+            self._idle[key] = (connection, time.monotonic())
+        if replaced is not None and replaced[0] is not connection:
+            replaced[0].close()
+
+    @contextmanager
+    def connection(self, endpoint: str, token: str) -> Iterator[AgentConnection]:
+        """A connection to the agent at ``endpoint``, kept again if the caller's calls left it
+        open, and closed if the caller raised."""
+        connection = self.take(endpoint, token)
         try:
             yield connection
         except BaseException:
             connection.close()
             raise
-        if not connection.open:
-            return
-        with self._lock:
-            replaced = self._idle.get(key)
-            self._idle[key] = (connection, time.monotonic())
-        if replaced is not None:
-            replaced[0].close()
+        self.give_back(endpoint, connection)
 
     def sweep(self) -> None:
         """Close the connections idle for longer than ``keep_s`` (agents gone, endpoints changed)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -18,7 +17,13 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from hyperpod_sim.contracts.agent_api import POLICY_PATH, PUSH_KEEPALIVE_S
 from hyperpod_sim.domain import events
-from hyperpod_sim.domain.checkpoints.agent_client import AgentUnreachable, Answer, KeptConnections
+from hyperpod_sim.domain.checkpoints.agent_client import (
+    AgentUnreachable,
+    Answer,
+    Call,
+    KeptConnections,
+    exchange,
+)
 from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
 from hyperpod_sim.domain.checkpoints.node_policy import PolicyBuilder
 from hyperpod_sim.domain.clock import Clock, Ids
@@ -148,36 +153,52 @@ def claim_pushes(session: Session, cluster: Cluster, now: datetime, config: Push
 
 
 class PolicyPusher:
-    """Sends claimed pushes on a pool of ``workers`` threads and records what the agents answered."""
+    """Sends claimed pushes, at most ``workers`` at once, and records what the agents answered."""
 
     def __init__(self, *, db: Database, clock: Clock, ids: Ids, config: PushConfig, workers: int) -> None:
         self.db = db
         self.clock = clock
         self.ids = ids
         self.config = config
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="policy-push")
+        self.workers = workers
         # One connection per agent, kept between rollouts (contracts/agent_api.py, PUSH_KEEPALIVE_S).
         self.connections = KeptConnections(keep_s=PUSH_KEEPALIVE_S, timeout=config.timeout_s)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
         self.connections.close()
 
     def send(self, pushes: list[Push], *, reset: bool = False) -> list[PushResult]:
+        """Push each node its policy, from this thread, over one selector (agent_client.exchange);
+        with ``reset``, one the agent takes even though it is older than the one it has (the
+        control plane's token is the authority). Never raises: whatever goes wrong with a push (a
+        connect error, an endpoint it cannot even parse) is its node's error only."""
         self.connections.sweep()
-        return list(self._pool.map(lambda push: self.push_one(push, reset=reset), pushes))
+        path = f"{POLICY_PATH}?reset=true" if reset else POLICY_PATH
+        calls: list[Call] = []
+        failed: dict[int, PushResult] = {}
+        for index, push in enumerate(pushes):
+            try:
+                connection = self.connections.take(push.endpoint, push.token)
+                calls.append(Call(connection, "PUT", path, push.policy.document_json()))
+            except Exception as exc:  # an endpoint it cannot even parse (a port out of range)
+                error = f"{type(exc).__name__}: {exc}"
+                failed[index] = PushResult(push.node_id, push.policy.generation, None, error, reset=reset)
+        answers = iter(exchange(calls, window=self.workers))
+        results: list[PushResult] = []
+        for index, push in enumerate(pushes):
+            if index in failed:
+                results.append(failed[index])
+                continue
+            answer = next(answers)
+            results.append(self._result(push, answer, reset=reset))
+        for call, push in zip(calls, (p for i, p in enumerate(pushes) if i not in failed), strict=True):
+            self.connections.give_back(push.endpoint, call.connection)
+        return results
 
-    def push_one(self, push: Push, *, reset: bool = False) -> PushResult:
-        """Push a node's policy; with ``reset``, one the agent takes even though it is older than
-        the one it has (the control plane's token is the authority). Never raises: whatever goes
-        wrong (a connect error, an endpoint it cannot even parse) is this node's error only."""
+    def _result(self, push: Push, answer: Answer | AgentUnreachable, *, reset: bool) -> PushResult:
         generation = push.policy.generation
-        try:
-            answer = self._put_policy(push, reset=reset)
-        except AgentUnreachable as exc:
-            return PushResult(push.node_id, generation, None, str(exc), reset=reset)
-        except Exception as exc:
-            return PushResult(push.node_id, generation, None, f"{type(exc).__name__}: {exc}", reset=reset)
+        if isinstance(answer, AgentUnreachable):
+            return PushResult(push.node_id, generation, None, str(answer), reset=reset)
         status, text = answer.status, answer.text
         applied = _applied_generation(text)
         if status == 200 and applied is not None:
@@ -188,12 +209,6 @@ class PolicyPusher:
             return PushResult(push.node_id, generation, None, error, ahead=applied)
         permanent = status == 200 or 400 <= status < 500  # a 200 off the contract too
         return PushResult(push.node_id, generation, None, error, permanent, reset=reset)
-
-    def _put_policy(self, push: Push, *, reset: bool) -> Answer:
-        """One PUT /v1/policy, on the connection kept to the agent if there is one."""
-        with self.connections.connection(push.endpoint, push.token) as agent:
-            path = f"{POLICY_PATH}?reset=true" if reset else POLICY_PATH
-            return agent.call("PUT", path, body=push.policy.document())
 
     def record(self, cluster_id: str, results: list[PushResult]) -> set[str]:
         """Record what the agents answered; the nodes to push again with a reset (their agents are

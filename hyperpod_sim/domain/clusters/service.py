@@ -240,7 +240,7 @@ class ClusterService(DomainService):
             now = self.clock.now()
             existing = {g.name: g for g in cluster.instance_groups}
             before = {g.name: g.target_count for g in cluster.instance_groups}
-            live = operations.live_counts(cluster)
+            live = operations.live_counts(session, cluster)
             position = max((g.position for g in cluster.instance_groups), default=-1) + 1
             for spec, is_restricted in [*[(s, False) for s in groups], *[(s, True) for s in restricted]]:
                 current = existing.get(spec.instance_group_name)
@@ -291,7 +291,7 @@ class ClusterService(DomainService):
                 session,
                 cluster,
                 "DeleteCluster",
-                current=operations.live_counts(cluster),
+                current=operations.live_counts(session, cluster),
                 original={g.name: g.target_count for g in cluster.instance_groups},
                 desired={g.name: 0 for g in cluster.instance_groups},
             )
@@ -402,7 +402,7 @@ class ClusterService(DomainService):
             nodes = list(session.scalars(select(Node).where(Node.cluster_id == cluster.id)))
             groups = {g.name: g for g in cluster.instance_groups}
             before = {g.name: g.target_count for g in cluster.instance_groups}
-            live = operations.live_counts(cluster)
+            live = operations.live_counts(session, cluster)
             deleted: list[Node] = []
 
             def refuse(node: Node | None, key: str) -> tuple[str, str] | None:

@@ -83,7 +83,7 @@ class AddNodesService(DomainService):
             live = sum(1 for n in cluster.nodes if n.status != NodeStatus.SHUTTING_DOWN)
             cluster_rules.check_instance_limit(live + total, self.max_instances)
             groups = {g.name: g for g in cluster.instance_groups}
-            current = operations.live_counts(cluster)
+            current = operations.live_counts(session, cluster)
             original = {g.name: g.target_count for g in cluster.instance_groups}
             grown: dict[str, InstanceGroup] = {}
             added: list[str] = []
