@@ -427,7 +427,12 @@ class AgentService(DomainService):
             acked = row.acked_generation
             if acked < applied_generation <= row.generation:
                 acked = values["acked_generation"] = applied_generation
-                wake = True
+                # Unless a push to the node is under way: the pass that claimed it runs again once
+                # its pushes are answered. (In a rollout of 1,024 nodes, agents heartbeat after
+                # their push and before its answer is recorded: each woke the reconciler for one
+                # more pass over every node, which the next UpdateCluster then waited behind.)
+                claimed = row.push_claimed_until
+                wake = wake or claimed is None or claimed <= now
             elif applied_generation > row.generation and acked != 0:
                 # Ahead of every generation this control plane issued: a policy it did not send.
                 # Not acknowledged: the reconciler pushes its own generation with a reset and
