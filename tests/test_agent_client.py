@@ -229,3 +229,26 @@ def test_an_answer_that_closes_the_connection_is_not_kept() -> None:
         connection = AgentConnection(agent.endpoint, token="t", timeout=5)
         assert connection.call("PUT", "/v1/policy", body={}).json() == {"applied_generation": 3}
         assert not connection.open
+
+
+def test_an_agent_that_drips_its_answer_times_out_as_a_silent_one_would() -> None:
+    stop = threading.Event()
+
+    def drip(conn: socket.socket, request: bytes) -> bool:
+        # A header line that never ends, a byte at a time, each well within the timeout.
+        conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+        while not stop.wait(0.1):
+            conn.sendall(b"a")
+        return False
+
+    try:
+        with agents(drip, echo) as fleet:
+            calls = [
+                Call(AgentConnection(a.endpoint, token="t", timeout=1.0), "PUT", "/v1/policy") for a in fleet
+            ]
+            dripped, answered = exchange(calls)
+    finally:
+        stop.set()
+    assert isinstance(answered, Answer)
+    assert isinstance(dripped, AgentUnreachable)
+    assert "TimeoutError" in str(dripped)

@@ -127,8 +127,9 @@ class AgentConnection:
         return result
 
     def request_bytes(self, call: Call) -> bytes:
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
         head = (
-            f"{call.method} {call.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"{call.method} {call.path} HTTP/1.1\r\nHost: {host}:{self.port}\r\n"
             f"User-Agent: {CONTROL_PLANE_AGENT}\r\nAuthorization: Bearer {self.token}\r\n"
         )
         if call.body is None:
@@ -145,6 +146,9 @@ class _Exchange:
     call: Call
     request: bytes
     deadline: float
+    # For the whole answer once connected, not for each silence: an agent that drips its answer
+    # a byte at a time cannot hold the pass that pushes to it past the timeout.
+    timeout: float
     reused: bool  # on a kept connection (one the agent may have closed while it was idle)
     reply: _Reply
     sent: int = 0
@@ -207,6 +211,7 @@ class _Exchanges:
             call=call,
             request=connection.request_bytes(call),
             deadline=time.monotonic() + timeout,
+            timeout=timeout,
             reused=connection.sock is not None and not retry,
             reply=_Reply(),
         )
@@ -248,8 +253,7 @@ class _Exchanges:
                 self.fail(ex, f"{type(error).__name__}: {error}")
                 return
             ex.connecting = False
-            timeout = connection.timeout if ex.call.timeout is None else ex.call.timeout
-            ex.deadline = time.monotonic() + timeout
+            ex.deadline = time.monotonic() + ex.timeout
         try:
             ex.sent += sock.send(memoryview(ex.request)[ex.sent :])
         except BlockingIOError:
