@@ -207,6 +207,10 @@ def test_an_agent_behind_waits_for_a_push_under_way_and_pulls_once_none_is() -> 
     ]
 
 
+# Its agent is stopped for a while on purpose: on a loaded machine (CI's two cores) the silence
+# between the test's last heartbeat for it and the agent's first after SIGCONT passed the 3 s
+# timeout once, and its node was failed and replaced. Detection is not what this test is about.
+@pytest.mark.patient_heartbeats
 def test_a_heartbeat_says_when_a_push_to_its_node_is_under_way(agent_plane: ControlPlane) -> None:
     sm = agent_plane.client()
     create_tiered(sm, "pushing", 2)
