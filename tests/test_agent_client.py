@@ -203,8 +203,9 @@ def test_a_kept_connection_the_agent_closed_while_idle_is_retried_once_on_a_new_
     kept = KeptConnections(keep_s=60, timeout=5)
     with agents(once_per_connection) as (agent,):
         for _ in range(3):
-            with kept.connection(agent.endpoint, "t") as connection:
-                assert connection.call("GET", "/v1/health").status == 200
+            connection = kept.take(agent.endpoint, "t")
+            assert connection.call("GET", "/v1/health").status == 200
+            kept.give_back(agent.endpoint, connection)
     assert answered[0] == 3
     assert agent.connections == 3  # each call after the first found its kept connection closed
 

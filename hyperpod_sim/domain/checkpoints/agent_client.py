@@ -24,8 +24,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -206,19 +205,19 @@ class _Exchanges:
     def start(self, index: int, call: Call, retry: bool) -> None:
         connection = call.connection
         timeout = connection.timeout if call.timeout is None else call.timeout
+        connecting = connection.sock is None
         ex = _Exchange(
             index=index,
             call=call,
             request=connection.request_bytes(call),
-            deadline=time.monotonic() + timeout,
+            deadline=time.monotonic() + (connection.connect_timeout if connecting else timeout),
             timeout=timeout,
-            reused=connection.sock is not None and not retry,
+            reused=not connecting and not retry,
             reply=_Reply(),
+            connecting=connecting,
         )
         try:
             if connection.sock is None:
-                ex.connecting = True
-                ex.deadline = time.monotonic() + connection.connect_timeout
                 connection.sock = _connect(connection.host, connection.port)
             self.under_way[connection.sock] = ex
             self.selector.register(connection.sock, selectors.EVENT_WRITE, ex)
@@ -344,18 +343,6 @@ class KeptConnections:
             self._idle[key] = (connection, time.monotonic())
         if replaced is not None and replaced[0] is not connection:
             replaced[0].close()
-
-    @contextmanager
-    def connection(self, endpoint: str, token: str) -> Iterator[AgentConnection]:
-        """A connection to the agent at ``endpoint``, kept again if the caller's calls left it
-        open, and closed if the caller raised."""
-        connection = self.take(endpoint, token)
-        try:
-            yield connection
-        except BaseException:
-            connection.close()
-            raise
-        self.give_back(endpoint, connection)
 
     def sweep(self) -> None:
         """Close the connections idle for longer than ``keep_s`` (agents gone, endpoints changed)."""

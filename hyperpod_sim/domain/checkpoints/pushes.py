@@ -174,26 +174,22 @@ class PolicyPusher:
         connect error, an endpoint it cannot even parse) is its node's error only."""
         self.connections.sweep()
         path = f"{POLICY_PATH}?reset=true" if reset else POLICY_PATH
-        calls: list[Call] = []
-        failed: dict[int, PushResult] = {}
+        results: list[PushResult | None] = [None] * len(pushes)
+        sent: list[tuple[int, Push, Call]] = []
         for index, push in enumerate(pushes):
             try:
                 connection = self.connections.take(push.endpoint, push.token)
-                calls.append(Call(connection, "PUT", path, push.policy.document_json()))
+                sent.append((index, push, Call(connection, "PUT", path, push.policy.document_json())))
             except Exception as exc:  # an endpoint it cannot even parse (a port out of range)
                 error = f"{type(exc).__name__}: {exc}"
-                failed[index] = PushResult(push.node_id, push.policy.generation, None, error, reset=reset)
-        answers = iter(exchange(calls, window=self.workers))
-        results: list[PushResult] = []
-        for index, push in enumerate(pushes):
-            if index in failed:
-                results.append(failed[index])
-                continue
-            answer = next(answers)
-            results.append(self._result(push, answer, reset=reset))
-        for call, push in zip(calls, (p for i, p in enumerate(pushes) if i not in failed), strict=True):
+                results[index] = PushResult(push.node_id, push.policy.generation, None, error, reset=reset)
+        answers = exchange([call for _, _, call in sent], window=self.workers)
+        for (index, push, call), answer in zip(sent, answers, strict=True):
+            results[index] = self._result(push, answer, reset=reset)
             self.connections.give_back(push.endpoint, call.connection)
-        return results
+        done = [result for result in results if result is not None]
+        assert len(done) == len(pushes)  # each push either failed before sending or was answered
+        return done
 
     def _result(self, push: Push, answer: Answer | AgentUnreachable, *, reset: bool) -> PushResult:
         generation = push.policy.generation

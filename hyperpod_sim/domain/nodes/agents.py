@@ -432,7 +432,7 @@ class AgentService(DomainService):
                 # their push and before its answer is recorded: each woke the reconciler for one
                 # more pass over every node, which the next UpdateCluster then waited behind.)
                 claimed = row.push_claimed_until
-                wake = wake or claimed is None or claimed <= now
+                wake = claimed is None or claimed <= now
             elif applied_generation > row.generation and acked != 0:
                 # Ahead of every generation this control plane issued: a policy it did not send.
                 # Not acknowledged: the reconciler pushes its own generation with a reset and
