@@ -177,14 +177,15 @@ def image(node_id: str, seq: int, **held: dict[int, tuple[int, ...]]) -> ShardIn
 
 def test_a_homes_view_ignores_an_older_image_that_arrives_late() -> None:
     view = catalog.HomeView()
-    assert view.offer(image("a", 2, primary={5: (0, 1)}))
+    members = frozenset({"a", "b"})
+    assert view.offer(image("a", 2, primary={5: (0, 1)}), members)
     # Seq 1 (made before rank 1 of step 6 was stored, say) arrives after seq 2: ignored.
-    assert not view.offer(image("a", 1, primary={4: (0, 1)}))
-    assert not view.offer(image("a", 2, primary={}))  # the same image again changes nothing
+    assert not view.offer(image("a", 1, primary={4: (0, 1)}), members)
+    assert not view.offer(image("a", 2, primary={}), members)  # the same image again changes nothing
     assert view.steps(2) == {5: 1}  # step -> world size (ranks less the metadata rank)
-    assert view.offer(image("a", 3, primary={5: (0,)}))  # newer: rank 1 went (evicted, deleted)
+    assert view.offer(image("a", 3, primary={5: (0,)}), members)  # newer: rank 1 went (evicted, deleted)
     assert view.steps(2) == {}
-    assert view.offer(image("b", 1, replica={5: (1,)}))
+    assert view.offer(image("b", 1, replica={5: (1,)}), members)
     assert view.steps(2) == {5: 1}  # step -> world size (ranks less the metadata rank)
     assert view.holders(5, 1) == ((), ("b",))
     assert view.holders(5) == (("a",), ("b",))
@@ -192,7 +193,22 @@ def test_a_homes_view_ignores_an_older_image_that_arrives_late() -> None:
     # A node no longer a member: its image goes, and the step is incomplete again.
     view.retain({"a"})
     assert view.steps(2) == {}
-    assert not view.offer(ShardIndex(node_id=None, steps={5: (1,)}, seq=9))  # nobody's image
+    assert not view.offer(ShardIndex(node_id=None, steps={5: (1,)}, seq=9), members)  # nobody's image
+
+
+def test_a_home_asks_only_for_the_images_it_lacks_or_got_under_another_member_set() -> None:
+    view = catalog.HomeView()
+    before = frozenset({"a", "b", "c"})
+    now = frozenset({"a", "b", "c", "d"})
+    assert view.offer(image("a", 1, primary={5: (0,)}), now)
+    assert view.offer(image("b", 1, primary={5: (1,)}), before)
+    # "c" and "d" never reported (they hold nothing, or their report went astray); "b" reported
+    # while this home knew another member set, so a later report of its may have gone elsewhere.
+    assert sorted(view.unknown(now)) == ["b", "c", "d"]
+    # The set is compared by identity: an equal set that is another object is another set.
+    assert sorted(view.unknown(frozenset(sorted(now)))) == ["a", "b", "c", "d"]
+    assert view.offer(image("b", 2, primary={5: (1,)}), now)
+    assert sorted(view.unknown(now)) == ["c", "d"]
 
 
 def test_every_agent_computes_the_same_two_homes_and_a_leaving_node_moves_only_its_own() -> None:

@@ -128,33 +128,46 @@ def homes(namespace: str, node_ids: Iterable[str]) -> list[str]:
 
 class HomeView:
     """What a home keeps of one namespace: each member's latest image of what it holds (its
-    ``ShardIndex``), and the member set it last asked every agent for its index (``warm_for``;
-    None: never, so the view may lack a node that has not reported to it)."""
+    ``ShardIndex``) with the member set it arrived under, and the member set the view was last
+    made whole for (``warm_for``; None: never, so the view may lack a node that has not reported
+    to it)."""
 
     def __init__(self) -> None:
         self.images: dict[str, ShardIndex] = {}
+        # Node id -> the member set (``ClusterView.member_ids``, compared by identity) this home
+        # knew when the node's image arrived: an image that came under another set may have
+        # missed the reports sent to other homes meanwhile.
+        self.arrived_under: dict[str, frozenset[str]] = {}
         self.warm_for: frozenset[str] | None = None
         # The complete steps, computed once per change of the images (num_ranks -> steps): a
         # restart's `latest`s, one per rank, cost one merge, not one each.
         self._steps: dict[int, dict[int, int]] = {}
 
-    def offer(self, image: ShardIndex) -> bool:
-        """Keep ``image`` unless a newer one of its node (a higher ``seq``) is kept already: an
-        image that arrives late (a retried report, an index fetched while a report landed) never
-        replaces a newer one. Whether it was kept."""
+    def offer(self, image: ShardIndex, under: frozenset[str]) -> bool:
+        """Keep ``image``, which arrived while this home knew the member set ``under``, unless a
+        newer one of its node (a higher ``seq``) is kept already: an image that arrives late (a
+        retried report, an index fetched while a report landed) never replaces a newer one.
+        Whether it was kept."""
         if image.node_id is None:
             return False
         held = self.images.get(image.node_id)
         if held is not None and held.seq >= image.seq:
             return False
         self.images[image.node_id] = image
+        self.arrived_under[image.node_id] = under
         self._steps.clear()
         return True
+
+    def unknown(self, everyone: frozenset[str]) -> list[str]:
+        """The members of ``everyone`` whose image this view lacks, or holds from under another
+        member set: what a home asks for before it answers for ``everyone``."""
+        return [n for n in everyone if self.arrived_under.get(n) is not everyone]
 
     def retain(self, members: Set[str]) -> None:
         """Forget the images of nodes that are no longer members."""
         for node_id in [n for n in self.images if n not in members]:
             del self.images[node_id]
+            del self.arrived_under[node_id]
             self._steps.clear()
 
     def steps(self, num_ranks: int) -> dict[int, int]:

@@ -54,6 +54,10 @@ class ClusterView:
         self._namespaces: dict[str, Namespace] = {}
         self._members: dict[str, str] = {}  # node id -> endpoint
         self._members_at = 0.0  # time.monotonic() of the last member list
+        # Every member's node id, this node's included, as of the last list: the same object for as
+        # long as the set stays the same, so that whoever keeps it can tell a change by identity
+        # (the namespace index's homes tag each image with the set it arrived under).
+        self.member_ids: frozenset[str] = frozenset()
         self.fan_outs_total = 0  # calls made to every other agent
 
     async def aclose(self) -> None:
@@ -127,6 +131,9 @@ class ClusterView:
                     if m["endpoint"] and m["node_id"] != self.state.node_id
                 }
                 self._members_at = time.monotonic()
+                ids = frozenset([*self._members, *([self.state.node_id] if self.state.node_id else [])])
+                if ids != self.member_ids:
+                    self.member_ids = ids
         return dict(self._members)
 
     async def recent_members(self) -> dict[str, str]:

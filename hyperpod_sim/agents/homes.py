@@ -8,9 +8,10 @@ instead of every agent of the cluster (docs/memory-tier.md, "The namespace index
   sends the homes its whole index of the namespace (a ``ShardIndex`` with an increasing ``seq``),
   at most one report in flight per namespace, the latest image winning; a report that fails is
   retried with backoff for a while (a home that restarts asks everyone anyway).
-- **Views**: a home keeps each member's latest image (:class:`agents.catalog.HomeView`). A view
-  not yet built for the current member set is built once by asking every agent for its index
-  (the old fan-out); after that, answers cost no request.
+- **Views**: a home keeps each member's latest image (:class:`agents.catalog.HomeView`), tagged
+  with the member set it arrived under. A view not yet made whole for the current member set asks
+  the members whose image it lacks, or holds from under another set, for their index, once;
+  after that, answers cost no request.
 - **Questions**: the complete steps, and who holds a (rank, step). ``ask`` tries the first home,
   then the second; None when neither answers, and the caller falls back to asking everyone.
 """
@@ -68,7 +69,7 @@ class CatalogCounters:
         self.report_failures_total = 0
         self.reports_received_total = 0  # images received as a home
         self.answers_total = 0  # questions answered as a home
-        self.rebuilds_total = 0  # views built by asking every agent
+        self.rebuilds_total = 0  # views made whole by asking agents for their index
         self.index_answers_total = 0  # GET /v1/internal/index answered (someone's fan-out)
         self.fallbacks_total = 0  # questions no home answered: the caller asked everyone
 
@@ -231,7 +232,7 @@ class NamespaceIndex:
                 return False
             return True
 
-        results = await asyncio.gather(*(one(h) for h in catalog.homes(namespace, [*members, self.node_id])))
+        results = await asyncio.gather(*(one(h) for h in catalog.homes(namespace, self.cluster.member_ids)))
         return all(results)
 
     # ------------------------------------------------------------------ as a home
@@ -241,7 +242,8 @@ class NamespaceIndex:
         if image.node_id is None:
             raise TierError(400, "InvalidReport", "a report names the node whose index it is")
         self.counters.reports_received_total += 1
-        return CatalogReported(kept=self._views.setdefault(namespace, catalog.HomeView()).offer(image))
+        view = self._views.setdefault(namespace, catalog.HomeView())
+        return CatalogReported(kept=view.offer(image, self.cluster.member_ids))
 
     def forget(self, namespace: str | None = None) -> None:
         """The namespace (None: every one) was deleted: its views go."""
@@ -251,29 +253,36 @@ class NamespaceIndex:
             self._views.pop(namespace, None)
 
     async def _view(self, namespace: str) -> catalog.HomeView:
-        """The view of a namespace this agent is a home of, built first if the member set changed
-        since it was (or never was): TierError 421 ``NotHome`` when it is not a home of it."""
-        members = await self.cluster.recent_members()
-        everyone = frozenset([*members, self.node_id])
+        """The view of a namespace this agent is a home of, made whole first if it is not for the
+        current member set: TierError 421 ``NotHome`` when it is not a home of it."""
+        await self.cluster.recent_members()
+        everyone = self.cluster.member_ids
         if self.node_id not in catalog.homes(namespace, everyone):
             raise TierError(421, "NotHome", f"this agent is not a home of namespace {namespace!r}")
         view = self._views.setdefault(namespace, catalog.HomeView())
-        if view.warm_for != everyone:
+        if view.warm_for is not everyone:
             async with self._building.setdefault(namespace, asyncio.Lock()):
-                if view.warm_for != everyone:
+                if view.warm_for is not everyone:
                     await self._rebuild(namespace, view, everyone)
         self.counters.answers_total += 1
         return view
 
     async def _rebuild(self, namespace: str, view: catalog.HomeView, everyone: frozenset[str]) -> None:
-        self.counters.rebuilds_total += 1
-        view.offer(self.image(namespace))
-        for node_id, response in await self.cluster.fan_out(
-            "GET", agent_path(INTERNAL_INDEX_ROUTE, namespace=namespace)
-        ):
-            index = catalog.peer_index(response)
-            if index is not None and index.node_id == node_id:
-                view.offer(index)
+        """Make the view whole for ``everyone``: the images that arrived under this member set are
+        kept as they are (each report is a node's whole index, and every change is reported to
+        the homes of the set the node knows); the members whose image is missing, or arrived under
+        another set (a report sent meanwhile may have gone to other homes), are asked for their
+        index. After a save by every node of a cluster, a new namespace's first question asks
+        nobody."""
+        view.offer(self.image(namespace), everyone)
+        unknown = [n for n in view.unknown(everyone) if n != self.node_id]
+        if unknown:
+            self.counters.rebuilds_total += 1
+            path = agent_path(INTERNAL_INDEX_ROUTE, namespace=namespace)
+            for node_id, response in await self.cluster.fan_out("GET", path, only=unknown):
+                index = catalog.peer_index(response)
+                if index is not None and index.node_id == node_id:
+                    view.offer(index, everyone)
         view.retain(everyone)
         view.warm_for = everyone
 
@@ -302,7 +311,7 @@ class NamespaceIndex:
         """A question to the first home of ``namespace`` that answers it; None if none does."""
         await self.settle(namespace)  # this node's own latest changes first
         members = await self.cluster.recent_members()
-        for home in catalog.homes(namespace, [*members, self.node_id]):
+        for home in catalog.homes(namespace, self.cluster.member_ids):
             if home == self.node_id:
                 try:
                     return await here()
