@@ -20,7 +20,7 @@ from hyperpod_sim.domain.clusters.service import ClusterService
 from hyperpod_sim.domain.lifecycle import ClusterStatus, GroupStatus, NodeStatus
 from hyperpod_sim.domain.node_operations.reboot_replace import NodeOperations
 from hyperpod_sim.domain.outcome import Outcome
-from hyperpod_sim.domain.reconciler import Reconciler
+from hyperpod_sim.domain.reconciler import Reconciler, Rollout
 from hyperpod_sim.models import Cluster, Database, Node
 from hyperpod_sim.models.groups import ResourceTag, TieredStorage
 from tests.conftest import EKS, ManualClock, free_port, group_spec
@@ -447,3 +447,45 @@ def test_agents_started_by_a_launch_whose_transaction_fails_are_stopped_and_star
     assert provisioner.launched == [node.id, node.id]
     (node,) = load(db, "one").nodes
     assert (node.status, node.start_failures, node.next_start_at) == ("Pending", 0, None)
+
+
+def test_a_rollout_settles_without_another_pass_only_if_nothing_but_the_acknowledgements_changed(
+    service: ClusterService, db: Database, clock: ManualClock, ids: CountingIds
+) -> None:
+    reconciler = make_reconciler(db, clock, ids, FakeProvisioner(uses_agents=True))
+    agents_cluster(service, db, reconciler, tiered_storage=TieredStorage(mode="Enable"))
+    registered(db, "one", clock, acked=1)
+    with locked(db, "one") as (_, cluster):
+        for node in cluster.nodes:
+            node.status = NodeStatus.RUNNING
+        cluster.status = ClusterStatus.IN_SERVICE
+    service.update_cluster(name="one", tiered_storage=TieredStorage(mode="Enable", memory_percentage=40))
+    # The pass that pushes the new generation: converged, but for both nodes behind.
+    outcome = phase(db, "one", reconciler.step)
+    assert (outcome.converged, len(outcome.behind), outcome.settled) == (True, 2, False)
+    assert len(outcome.pushes) == 2
+    cluster = load(db, "one")
+    seen = Rollout(cluster.generation, ClusterStatus.UPDATING, 2)
+    # One agent has applied it, the other not yet: not settled, nothing written.
+    first, second = cluster.nodes
+    with locked(db, "one") as (_, locked_cluster):
+        next(n for n in locked_cluster.nodes if n.id == first.id).acked_generation = seen.generation
+    assert not reconciler.settle_rollout(cluster.id, seen)
+    assert load(db, "one").status == ClusterStatus.UPDATING
+    # Both have, but the pass saw another number of nodes (one came or went since): not settled.
+    with locked(db, "one") as (_, locked_cluster):
+        next(n for n in locked_cluster.nodes if n.id == second.id).acked_generation = seen.generation
+    assert not reconciler.settle_rollout(cluster.id, Rollout(seen.generation, seen.status, 3))
+    # Nor with another generation than the pass pushed (a newer rollout began since).
+    assert not reconciler.settle_rollout(cluster.id, Rollout(seen.generation - 1, seen.status, 2))
+    assert load(db, "one").status == ClusterStatus.UPDATING
+    # As the pass saw it, every node caught up: InService, its groups and its operation with it.
+    assert reconciler.settle_rollout(cluster.id, seen)
+    settled = load(db, "one")
+    assert (settled.status, settled.instance_groups[0].status) == ("InService", GroupStatus.IN_SERVICE)
+    assert settled.operation_id is None
+    assert (
+        f"Cluster is InService with 2 nodes; policy generation {seen.generation} applied on every node."
+        in descriptions(db, "one")
+    )
+    assert not reconciler.settle_rollout(cluster.id, seen)  # settled already: not twice

@@ -228,7 +228,8 @@ def settle(session: Session, *, cluster: Cluster, now: datetime) -> None:
         return
     waiting = set(operation.node_ids)
     if operation.type == OperationType.SCALING:
-        busy = any(
+        # (An UpdateCluster's waits on no node: its nodes are not even loaded for it.)
+        busy = bool(waiting) and any(
             n.id in waiting and n.status in (NodeStatus.SHUTTING_DOWN, NodeStatus.PENDING)
             for n in cluster.nodes
         )

@@ -32,8 +32,16 @@ class Outcome:
     # Nodes whose crashed agent waits out its restart backoff: not failed for missed heartbeats.
     restart_pending: set[str] = field(default_factory=set)
     # Whether the phase found its part of the cluster as desired (every group at its target, every
-    # node Running with the current policy, nothing shutting down).
+    # node Running with the current policy, nothing shutting down), but for the nodes ``behind``.
     converged: bool = True
+    # Running nodes whose agent has not applied the cluster's policy generation yet: in a rollout,
+    # all that stands between a pass and convergence (the reconciler settles it once they have).
+    behind: set[str] = field(default_factory=set)
+
+    @property
+    def settled(self) -> bool:
+        """Converged, with no node behind."""
+        return self.converged and not self.behind
 
     def note_due(self, when: datetime) -> None:
         self.due = when if self.due is None else min(self.due, when)
@@ -48,4 +56,5 @@ class Outcome:
         self.pushes.extend(other.pushes)
         self.restart_pending |= other.restart_pending
         self.converged &= other.converged
+        self.behind |= other.behind
         return self

@@ -18,14 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, or_, select
+from sqlalchemy import and_, case, delete, func, or_, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
 from hyperpod_sim.domain import events, faults
 from hyperpod_sim.domain import operation_records as operations
 from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
-from hyperpod_sim.domain.checkpoints.pushes import PolicyPusher, PushConfig, claim_pushes
+from hyperpod_sim.domain.checkpoints.pushes import PolicyPusher, PushConfig, PushResult, claim_pushes
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.lifecycle import (
     LEAVING,
@@ -254,16 +254,53 @@ class Reconciler:
                 return Outcome()
             outcome = self.step(session, cluster)
             self.pacing.count(cluster_id, sum(1 for n in cluster.nodes if n.endpoint and n.status in LIVE))
+            rollout = None
+            if outcome.behind and outcome.converged and cluster.status in _SETTLING:
+                rollout = Rollout(cluster.generation, ClusterStatus(cluster.status), len(cluster.nodes))
         if outcome.launches or cluster_id in self._unlaunched:
             self._launch_agents(cluster_id, outcome.launches)
             outcome.again = outcome.changed = True
         if outcome.pushes:
-            resets = self.pusher.record(cluster_id, self.pusher.send(outcome.pushes))
+            results = self.pusher.send(outcome.pushes)
+            resets = self.pusher.record(cluster_id, results)
             if resets:
                 again = [push for push in outcome.pushes if push.node_id in resets]
                 self.pusher.record(cluster_id, self.pusher.send(again, reset=True))
             outcome.again = outcome.changed = True
+            if not resets and rollout is not None and _caught_up(outcome, results, rollout.generation):
+                # The pass found the cluster converged but for the nodes it pushed to, and every
+                # one has applied the generation: settled here, without a second pass over every
+                # node (at 1,024 nodes, 50-70 ms of each rollout's).
+                outcome.again = not self.settle_rollout(cluster_id, rollout)
         return outcome
+
+    def settle_rollout(self, cluster_id: str, rollout: Rollout) -> bool:
+        """InService after a rollout whose pass saw every other part of the cluster converged, if
+        nothing changed since but the acknowledgements: the same policy generation and status,
+        and the same number of nodes, each Running with the generation applied (one query, not
+        every node's row). Whether it did; if not, the next pass decides as usual."""
+        with self.db.write() as session:
+            cluster = session.scalars(
+                select(Cluster)
+                .where(Cluster.id == cluster_id)
+                .options(selectinload(Cluster.instance_groups))
+                .with_for_update(skip_locked=True)
+            ).one_or_none()
+            if cluster is None or (cluster.generation, cluster.status) != rollout.seen:
+                return False
+            current = case(
+                (and_(Node.status == NodeStatus.RUNNING, Node.acked_generation >= rollout.generation), 1),
+                else_=0,
+            )
+            total, caught_up = session.execute(
+                select(func.count(), func.coalesce(func.sum(current), 0)).where(Node.cluster_id == cluster_id)
+            ).one()
+            if not total == caught_up == rollout.nodes:
+                return False
+            now = self.clock.now()
+            self.settle_status(session, cluster, now, converged=True, running=total)
+            operations.settle(session, cluster=cluster, now=now)
+        return True
 
     # ------------------------------------------------------------------ phases
 
@@ -320,7 +357,7 @@ class Reconciler:
             bump_generation(cluster)
         if self.provisioner.uses_agents:
             outcome.merge(claim_pushes(session, cluster, now, self.pusher.config))
-        outcome.merge(self.settle_status(session, cluster, now, converged=outcome.converged))
+        outcome.merge(self.settle_status(session, cluster, now, converged=outcome.settled))
         operations.settle(session, cluster=cluster, now=now)  # its operation Done once it is InService
         return outcome
 
@@ -404,9 +441,12 @@ class Reconciler:
                 up = self._bring_up(session, cluster, node, now, outcome)
                 # A failed node that its group's stopped recovery keeps (domain/nodes/recovery.py) holds
                 # no update up: the cluster says why in its FailureMessage.
-                outcome.converged &= up or (
-                    node.status == NodeStatus.FAILURE and group.recovery_stopped is not None
-                )
+                if up or (node.status == NodeStatus.FAILURE and group.recovery_stopped is not None):
+                    continue
+                if self._behind(cluster, node):
+                    outcome.behind.add(node.id)
+                else:
+                    outcome.converged = False
         if any(n.status == NodeStatus.SHUTTING_DOWN for n in cluster.nodes):
             outcome.converged = False
             outcome.again = True
@@ -433,13 +473,22 @@ class Reconciler:
             )
         return by_preference[surplus:]
 
-    def settle_status(self, session: Session, cluster: Cluster, now: datetime, *, converged: bool) -> Outcome:
+    def settle_status(
+        self,
+        session: Session,
+        cluster: Cluster,
+        now: datetime,
+        *,
+        converged: bool,
+        running: int | None = None,
+    ) -> Outcome:
         """Status follows convergence: a Creating or Updating cluster that converged is InService,
-        and so are its groups."""
-        if not (converged and cluster.status in (ClusterStatus.CREATING, ClusterStatus.UPDATING)):
+        and so are its groups. ``running``: its Running nodes, if the caller counted them."""
+        if not (converged and cluster.status in _SETTLING):
             return Outcome()
         cluster.updated_time = now
-        running = sum(1 for n in cluster.nodes if n.status == NodeStatus.RUNNING)
+        if running is None:
+            running = sum(1 for n in cluster.nodes if n.status == NodeStatus.RUNNING)
         description = f"Cluster is InService with {running} nodes"
         if self.provisioner.uses_agents:
             description += f"; policy generation {cluster.generation} applied on every node"
@@ -470,6 +519,16 @@ class Reconciler:
             self._running(session, cluster, node, now)
             outcome.changed = True
         return node.status == NodeStatus.RUNNING and current
+
+    def _behind(self, cluster: Cluster, node: Node) -> bool:
+        """Whether the node is Running, its agent registered, with an older policy generation than
+        the cluster's: what a push brings up to date."""
+        return (
+            self.provisioner.uses_agents
+            and node.status == NodeStatus.RUNNING
+            and node.registered_at is not None
+            and node.acked_generation < cluster.generation
+        )
 
     def _running(self, session: Session, cluster: Cluster, node: Node, now: datetime) -> None:
         """A Pending node (or one attaching after MoveClusterNodes) is Running."""
@@ -661,6 +720,28 @@ def _stopping(counts: Counter[str]) -> str:
 
 # A node on its way to Running: a new or rebooted one, or one moved in (MoveClusterNodes).
 _COMING_UP = (NodeStatus.PENDING, NodeStatus.ATTACH_IN_PROGRESS)
+# The statuses a cluster leaves for InService once it converged.
+_SETTLING = (ClusterStatus.CREATING, ClusterStatus.UPDATING)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What a pass saw of a cluster that only waited for its nodes behind: its generation, status
+    and number of nodes (every one Running, or it would not have converged)."""
+
+    generation: int
+    status: ClusterStatus
+    nodes: int
+
+    @property
+    def seen(self) -> tuple[int, str]:
+        return self.generation, self.status
+
+
+def _caught_up(outcome: Outcome, results: list[PushResult], generation: int) -> bool:
+    """Whether every node the pass found behind was pushed and applied ``generation``."""
+    applied = {r.node_id for r in results if r.applied is not None and r.applied >= generation}
+    return outcome.behind <= applied
 
 
 def _members(cluster: Cluster) -> set[str]:
