@@ -28,10 +28,12 @@ import pytest
 from pydantic import SecretStr
 
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
+from hyperpod_sim.agents.http.server import Request
 from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
 from hyperpod_sim.agents.metrics import Metric, render
 from hyperpod_sim.agents.state import AgentState, ApplyStatus
 from tests.conftest import free_port, shm_root_for, wait_for
+from tests.standin import DROP, Canned, Drop, standin
 
 CLUSTER = "demo"
 CLUSTER_TOKEN = "cluster-secret-0123"  # between agents
@@ -533,16 +535,14 @@ def test_metrics_render_help_type_and_value() -> None:
 
 def test_loop_backs_off_on_temporary_failures_and_retries_permanent_ones_slowly() -> None:
     """The loop's waits, on an injected sleep: no wall time passes."""
-    answers: list[httpx.Response | Exception] = [
-        httpx.ConnectError("connection refused"),  # register: temporary
-        httpx.Response(503, json={"error": "Unavailable"}),  # temporary
-        httpx.Response(403, json={"error": "Forbidden", "message": "wrong token"}),  # permanent
-        httpx.Response(
-            200, json={"node_id": NODE, "cluster_token": CLUSTER_TOKEN, "policy": policy(1, NODE)}
-        ),
-        httpx.Response(  # not the contract: no node token, no control-plane token (permanent)
+    answers: list[Canned | Drop] = [
+        DROP,  # register: no answer (temporary)
+        Canned(503, {"error": "Unavailable"}),  # temporary
+        Canned(403, {"error": "Forbidden", "message": "wrong token"}),  # permanent
+        Canned(200, {"node_id": NODE, "cluster_token": CLUSTER_TOKEN, "policy": policy(1, NODE)}),
+        Canned(  # not the contract: no node token, no control-plane token (permanent)
             200,
-            json={
+            {
                 "node_id": NODE,
                 "cluster_token": CLUSTER_TOKEN,
                 "node_token": NODE_TOKEN,
@@ -550,19 +550,16 @@ def test_loop_backs_off_on_temporary_failures_and_retries_permanent_ones_slowly(
                 "policy": policy(1, NODE),
             },
         ),
-        httpx.Response(500, text="oops"),  # heartbeat: temporary
-        httpx.Response(200, json={"desired_generation": 1}),
-        httpx.Response(404, json={"error": "NotFound", "message": "no node"}),  # the node was deleted
+        Canned(500, text="oops"),  # heartbeat: temporary
+        Canned(200, {"desired_generation": 1}),
+        Canned(404, {"error": "NotFound", "message": "no node"}),  # the node was deleted
     ]
     paths: list[str] = []
     slept: list[float] = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        paths.append(request.url.path.rsplit("/", 1)[1])
-        reply = answers.pop(0)
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
+    def answer(request: Request) -> Canned | Drop:
+        paths.append(request.path.rsplit("/", 1)[1])
+        return answers.pop(0)
 
     async def sleep(seconds: float) -> None:
         slept.append(round(seconds, 3))
@@ -574,10 +571,10 @@ def test_loop_backs_off_on_temporary_failures_and_retries_permanent_ones_slowly(
     state = AgentState(cluster=CLUSTER, node_id=NODE)
 
     async def scenario() -> LoopOutcome:
-        transport = httpx.MockTransport(answer)
-        async with ControlPlaneClient(
-            base_url="http://control-plane", cluster=CLUSTER, timeout_s=1, transport=transport
-        ) as client:
+        async with (
+            standin(answer) as base_url,
+            ControlPlaneClient(base_url=base_url, cluster=CLUSTER, timeout_s=1) as client,
+        ):
             loop = AgentLoop(
                 state=state,
                 client=client,
@@ -593,7 +590,7 @@ def test_loop_backs_off_on_temporary_failures_and_retries_permanent_ones_slowly(
 
     assert asyncio.run(scenario()) is LoopOutcome.NODE_DELETED
     assert paths == ["register"] * 5 + ["heartbeat"] * 3
-    # Backoff after the connect error and the 503, the slow retries after the 403 and the answer
+    # Backoff after the request no one answered and the 503, the slow retries after the 403 and the answer
     # without the node's tokens, then the heartbeat interval after the 500 (the backoff is shorter)
     # and after the 200.
     assert slept == [0.1, 0.2, 5.0, 5.0, 1.0, 1.0]

@@ -1,6 +1,6 @@
-"""The benchmark scripts still run: ``bench/run_all.py`` on each of its seven with small sizes, and
+"""The benchmark scripts still run: ``bench/run_all.py`` on each of its seven with small sizes,
 ``bench/agent_http.py`` (the agents' HTTP server against the loopback ceiling, docs/decisions/0001)
-with a 4 MiB body.
+with a 4 MiB body, and ``bench/agent_client.py`` (the agents' client against httpx, 0005) small.
 
 Nothing here judges a ratio (timings belong to the scripts, on a quiet machine); what is checked is
 that every script starts its servers, measures each of its targets and writes the common
@@ -71,3 +71,23 @@ def test_the_agent_http_benchmark_runs_and_measures_every_cell(tmp_path: Path) -
     assert all(cell["mib_per_s"] > 0 and len(cell["times_s"]) == 1 for cell in report["cells"]), report
     assert len(report["ratios"]) == 4, report
     assert all(ratio > 0 for ratio in report["ratios"].values()), report
+
+
+def test_the_agent_client_benchmark_runs_and_measures_both_ratios(tmp_path: Path) -> None:
+    # Not one of run_all's: the numbers behind docs/decisions/0005, each library against the agents'
+    # own server; its calls check every answer's length.
+    out = tmp_path / "agent_client.json"
+    command = [sys.executable, str(ROOT / "bench" / "agent_client.py"), "--calls", "300", "--peers", "128"]
+    result = subprocess.run(
+        [*command, "--runs", "1", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    # (Either library's CPU may be less than os.times can tell at these sizes: a ratio of 0, or none.)
+    assert len(report["target_ratios"]) == 2, report
+    assert {len(cells["fan_cpu"]) for cells in report["results"].values()} == {1}, report

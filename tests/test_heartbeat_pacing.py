@@ -17,6 +17,7 @@ import pytest
 from pydantic import SecretStr
 
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
+from hyperpod_sim.agents.http.server import Request
 from hyperpod_sim.agents.loop import AgentLoop, Backoff, Identity, LoopOutcome
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.api.agent_routes import Admission
@@ -25,6 +26,7 @@ from hyperpod_sim.infra.processes import Pidfile, find_agent_pids
 from hyperpod_sim.sdk.client import HyperPodClient
 from tests.agents import create_tiered, nodes, wait_status
 from tests.conftest import ControlPlane, ServerProcess, group, kill_processes_under, node_token, wait_for
+from tests.standin import Canned, standin
 
 
 def test_up_to_the_full_rate_every_agent_keeps_the_configured_interval_and_timeout() -> None:
@@ -73,7 +75,7 @@ def test_a_deleted_clusters_agents_no_longer_count() -> None:
     assert pacing.agents() == 0
 
 
-def _run_loop(answer: Callable[[httpx.Request], httpx.Response], *, adopt: bool = True) -> list[float]:
+def _run_loop(answer: Callable[[Request], Canned], *, adopt: bool = True) -> list[float]:
     """Run an agent loop against a stand-in control plane (``answer`` answers each request) until
     it learns that its node is gone; the waits it slept."""
     slept: list[float] = []
@@ -82,10 +84,10 @@ def _run_loop(answer: Callable[[httpx.Request], httpx.Response], *, adopt: bool 
         slept.append(seconds)
 
     async def scenario() -> LoopOutcome:
-        transport = httpx.MockTransport(answer)
-        async with ControlPlaneClient(
-            base_url="http://cp", cluster="x", timeout_s=1, transport=transport
-        ) as client:
+        async with (
+            standin(answer) as base_url,
+            ControlPlaneClient(base_url=base_url, cluster="x", timeout_s=1) as client,
+        ):
             loop = AgentLoop(
                 state=AgentState(cluster="x", node_id="i-0"),
                 client=client,
@@ -103,7 +105,7 @@ def _run_loop(answer: Callable[[httpx.Request], httpx.Response], *, adopt: bool 
     return slept
 
 
-def _waits(answers: list[httpx.Response], *, adopt: bool) -> list[float]:
+def _waits(answers: list[Canned], *, adopt: bool) -> list[float]:
     """The waits of an agent loop against a stand-in control plane that answers ``answers`` in turn
     (the last a 404: the node is gone)."""
     return _run_loop(lambda request: answers.pop(0), adopt=adopt)
@@ -118,18 +120,17 @@ REGISTERED = {
 }
 
 
-def _gone() -> httpx.Response:
-    return httpx.Response(404, json={"error": "NotFound", "message": "no node"})
+def _gone() -> Canned:
+    return Canned(404, {"error": "NotFound", "message": "no node"})
 
 
 def _loop_run(heartbeat_intervals: list[Any], *, adopt: bool) -> list[float]:
     """The waits after each heartbeat when registration answers 0.5 s and the heartbeats answer
     ``heartbeat_intervals`` (one each)."""
     heartbeats = [
-        httpx.Response(200, json={"desired_generation": 0, "heartbeat_interval_s": i})
-        for i in heartbeat_intervals
+        Canned(200, {"desired_generation": 0, "heartbeat_interval_s": i}) for i in heartbeat_intervals
     ]
-    registered = httpx.Response(200, json={**REGISTERED, "heartbeat_interval_s": 0.5})
+    registered = Canned(200, {**REGISTERED, "heartbeat_interval_s": 0.5})
     return _waits([registered, *heartbeats, _gone()], adopt=adopt)
 
 
@@ -171,15 +172,15 @@ def test_agents_of_a_cluster_past_the_full_rate_heartbeat_less_often(agent_plane
 def _requests_of_a_loop(heartbeats: list[dict[str, Any]]) -> list[str]:
     """The method and path of each request an agent loop sends to a stand-in control plane that
     answers registration, then ``heartbeats`` in turn (a pull gets the generation-2 policy)."""
-    answers = [httpx.Response(200, json=REGISTERED)]
+    answers = [Canned(200, REGISTERED)]
     for body in heartbeats:
-        answers.append(httpx.Response(200, json={"heartbeat_interval_s": 1.0, **body}))
+        answers.append(Canned(200, {"heartbeat_interval_s": 1.0, **body}))
     sent: list[str] = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        sent.append(f"{request.method} {request.url.path.rsplit('/', 1)[-1]}")
+    def answer(request: Request) -> Canned:
+        sent.append(f"{request.method} {request.path.rsplit('/', 1)[-1]}")
         if request.method == "GET":
-            return httpx.Response(200, json={"generation": 2, "node_id": "i-0", "cluster_name": "x"})
+            return Canned(200, {"generation": 2, "node_id": "i-0", "cluster_name": "x"})
         return answers.pop(0) if answers else _gone()
 
     _run_loop(answer)
@@ -271,21 +272,19 @@ def test_registrations_past_the_limit_are_refused_at_once_with_a_growing_wait() 
     assert admission.enter()  # a place came free
 
 
-def _registration_waits(answer: httpx.Response) -> list[float]:
+def _registration_waits(answer: Canned) -> list[float]:
     """The wait of an agent loop whose first registration is answered ``answer`` (the second
     registers it, then its node is gone)."""
-    return _waits([answer, httpx.Response(200, json=REGISTERED), _gone()], adopt=False)[:1]
+    return _waits([answer, Canned(200, REGISTERED), _gone()], adopt=False)[:1]
 
 
 def test_an_agent_waits_what_a_busy_control_plane_asks_spread_up_to_twice() -> None:
-    busy = httpx.Response(
-        503, headers={"Retry-After": "7"}, json={"error": "ServiceUnavailable", "message": "busy"}
-    )
+    busy = Canned(503, {"error": "ServiceUnavailable", "message": "busy"}, headers=(("Retry-After", "7"),))
     (wait,) = _registration_waits(busy)
     assert 7.0 <= wait <= 14.0
     # Without Retry-After (or with one off its format) the backoff alone decides.
-    for headers in ({}, {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, {"Retry-After": "-3"}):
-        plain = httpx.Response(503, headers=headers, json={"error": "ServiceUnavailable", "message": "x"})
+    for headers in ((), (("Retry-After", "Wed, 21 Oct 2015 07:28:00 GMT"),), (("Retry-After", "-3"),)):
+        plain = Canned(503, {"error": "ServiceUnavailable", "message": "x"}, headers=headers)
         (wait,) = _registration_waits(plain)
         assert wait <= 0.1
 
@@ -295,23 +294,23 @@ def test_an_agent_whose_token_a_late_registration_replaced_registers_again() -> 
     # that one commits after the retry the agent took, the node's token is another one. The
     # launch secret is not spent (no heartbeat was taken): the agent registers again until it gets
     # an answer.
-    refused = httpx.Response(403, json={"error": "InvalidToken", "message": "not a node token"})
-    busy = httpx.Response(503, json={"error": "ServiceUnavailable", "message": "registering 8 agents"})
+    refused = Canned(403, {"error": "InvalidToken", "message": "not a node token"})
+    busy = Canned(503, {"error": "ServiceUnavailable", "message": "registering 8 agents"})
     answers = [
-        httpx.Response(200, json={**REGISTERED, "node_token": "taken"}),
+        Canned(200, {**REGISTERED, "node_token": "taken"}),
         refused,
         busy,  # a busy control plane does not end the tries
         refused,
-        httpx.Response(200, json={**REGISTERED, "node_token": "again"}),
-        httpx.Response(200, json={"desired_generation": 0, "heartbeat_interval_s": 1.0}),
+        Canned(200, {**REGISTERED, "node_token": "again"}),
+        Canned(200, {"desired_generation": 0, "heartbeat_interval_s": 1.0}),
         refused,  # after a heartbeat taken the secret is spent: no registration helps
         refused,
         _gone(),
     ]
     sent: list[str] = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        sent.append(f"{request.url.path.rsplit('/', 1)[-1]} {request.headers.get('Authorization')}")
+    def answer(request: Request) -> Canned:
+        sent.append(f"{request.path.rsplit('/', 1)[-1]} {request.headers.get('authorization')}")
         return answers.pop(0)
 
     _run_loop(answer)

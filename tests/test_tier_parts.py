@@ -9,11 +9,12 @@ import json
 from collections.abc import Awaitable
 from pathlib import Path
 
-import httpx
 import pytest
 
 from hyperpod_sim.agents import catalog
 from hyperpod_sim.agents.fastpath import FastPath
+from hyperpod_sim.agents.http.client import HttpError
+from hyperpod_sim.agents.http.server import Request
 from hyperpod_sim.agents.retry import Backoff
 from hyperpod_sim.agents.s3.objects import S3Unavailable
 from hyperpod_sim.agents.s3.tier import PersistFailed, is_temporary
@@ -22,6 +23,7 @@ from hyperpod_sim.agents.tiermodel import Namespace, TierError
 from hyperpod_sim.contracts.agent_bodies import ShardIndex
 from hyperpod_sim.contracts.shards import UNUSED_RANK_CHECKSUM
 from tests.clocks import ManualClock
+from tests.standin import Canned, standin
 
 MiB = 1 << 20
 
@@ -78,7 +80,7 @@ def test_retention_keeps_the_newest_committed_steps_and_drops_abandoned_uploads(
     [
         (PersistFailed("ranks [1] could not be put"), True),
         (S3Unavailable("throttled"), True),
-        (httpx.ConnectError("refused"), True),
+        (HttpError("ClientConnectorError: refused"), True),
         (TierError(503, "ControlPlaneUnavailable", "down"), True),
         (TierError(404, "NamespaceNotFound", "gone"), False),
         (KeyError("num_ranks"), False),
@@ -233,16 +235,17 @@ def test_the_member_list_is_kept_two_heartbeat_intervals_and_a_new_policy_makes_
 
     asked: list[str] = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        asked.append(request.url.path)
+    def answer(request: Request) -> Canned:
+        asked.append(request.path)
         member = {"node_id": f"i-{len(asked)}", "instance_group": "g", "status": "Running"}
-        return httpx.Response(200, json={"members": [{**member, "endpoint": "http://127.0.0.1:9"}]})
+        return Canned(200, {"members": [{**member, "endpoint": "http://127.0.0.1:9"}]})
 
     async def scenario() -> list[dict[str, str]]:
         state = AgentState(cluster="x", node_id="i-0")
-        async with ControlPlaneClient(
-            base_url="http://cp", cluster="x", timeout_s=1, transport=httpx.MockTransport(answer)
-        ) as client:
+        async with (
+            standin(answer) as base_url,
+            ControlPlaneClient(base_url=base_url, cluster="x", timeout_s=1) as client,
+        ):
             view = ClusterView(state=state, control_plane=client, peer_timeout_s=1)
             try:
                 assert view.members_max_age_s == MEMBERS_MAX_AGE_S

@@ -12,9 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Set
 
-import httpx
-
 from hyperpod_sim.agents.cluster import ClusterView
+from hyperpod_sim.agents.http.client import Answer
 from hyperpod_sim.agents.store import ShardInfo, ShardStore
 from hyperpod_sim.contracts.agent_api import INTERNAL_INDEX_ROUTE, agent_path, namespace_homes
 from hyperpod_sim.contracts.agent_bodies import ShardIndex, problem_of
@@ -70,7 +69,7 @@ def local_index(shards: Iterable[ShardInfo], node_id: str | None) -> ShardIndex:
     )
 
 
-def peer_index(response: httpx.Response) -> ShardIndex | None:
+def peer_index(response: Answer) -> ShardIndex | None:
     """A peer's answer to ``GET /v1/internal/index``, or None when it is not one (refused, off
     the contract)."""
     if response.status_code != 200:

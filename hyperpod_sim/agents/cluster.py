@@ -17,16 +17,14 @@ from collections.abc import Collection
 from typing import Any
 from urllib.parse import quote
 
-import httpx
-
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
-from hyperpod_sim.agents.http import tls
+from hyperpod_sim.agents.http.client import Answer, HttpClient, HttpError, Timeout
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.agents.tiermodel import Namespace, TierError, checked_namespace
 
 log = logging.getLogger("hyperpod_sim.agents.tier")
 
-PeerTimeout = float | httpx.Timeout
+PeerTimeout = float | Timeout
 
 # How old the member list that the namespace index's homes are computed from may be: members come
 # and go over seconds (heartbeats, node operations); asking the control plane on every `latest`
@@ -45,12 +43,7 @@ class ClusterView:
         self._cp = control_plane  # the agent's own client: one connection pool to the control plane
         # Other agents: a hung one (stopped, partitioned) must not hold a read or `latest` for
         # long; the timeout is per network wait, so big shards still stream.
-        self.peers = httpx.AsyncClient(
-            timeout=peer_timeout_s,
-            trust_env=False,
-            verify=tls.client_context(),
-            limits=httpx.Limits(max_connections=64),
-        )
+        self.peers = HttpClient(timeout=peer_timeout_s, limit=64)
         self._namespaces: dict[str, Namespace] = {}
         self._members: dict[str, str] = {}  # node id -> endpoint
         self._members_at = 0.0  # time.monotonic() of the last member list
@@ -65,7 +58,7 @@ class ClusterView:
 
     # ------------------------------------------------------------------ the control plane
 
-    async def control_plane(self, method: str, suffix: str, body: Any = None) -> httpx.Response:
+    async def control_plane(self, method: str, suffix: str, body: Any = None) -> Answer:
         """A call to the control plane's ``/agent/v1/clusters/{c}`` API with this node's token;
         TierError 503 when it does not answer."""
         token = self.state.node_token  # this node's credential at the control plane
@@ -73,7 +66,7 @@ class ClusterView:
             return await self._cp.request(
                 method, suffix, token=token.get_secret_value() if token else None, json_body=body
             )
-        except httpx.HTTPError as exc:
+        except HttpError as exc:
             raise TierError(
                 503, "ControlPlaneUnavailable", f"the control plane did not answer: {exc}"
             ) from exc
@@ -169,7 +162,7 @@ class ClusterView:
         json_body: Any = None,
         timeout: PeerTimeout | None = None,
         only: Collection[str] | None = None,
-    ) -> list[tuple[str, httpx.Response]]:
+    ) -> list[tuple[str, Answer]]:
         """The same internal call to every other agent (a JSON body if given), or with ``only`` to
         those of them named there; unreachable ones are left out."""
         if only is None:
@@ -184,10 +177,10 @@ class ClusterView:
         if timeout is not None:
             options["timeout"] = timeout
 
-        async def one(node_id: str, endpoint: str) -> tuple[str, httpx.Response] | None:
+        async def one(node_id: str, endpoint: str) -> tuple[str, Answer] | None:
             try:
                 return node_id, await self.peers.request(method, f"{endpoint}{path}", **options)
-            except httpx.HTTPError as exc:
+            except HttpError as exc:
                 log.info("agent %s did not answer %s %s: %s", node_id, method, path, exc)
                 return None
 

@@ -7,15 +7,12 @@ kind that tells the caller whether trying again can help (see ``docs/agent-proto
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote
 
-import httpx
-
-from hyperpod_sim.agents.http import tls
+from hyperpod_sim.agents.http.client import Answer, HttpClient, HttpError
 from hyperpod_sim.contracts.agent_api import (
     AGENT_API_PREFIX,
     AGENT_KEEPALIVE_S,
@@ -50,7 +47,7 @@ class Reply:
         return self.failure is None
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(response: Answer) -> float | None:
     """A busy control plane's ``Retry-After`` in seconds (whole seconds, at most an hour), if any."""
     value = response.headers.get("retry-after", "")
     if response.status_code not in (429, 503) or not value.isascii() or not value.isdigit():
@@ -68,7 +65,7 @@ def _classify(status: int) -> Failure:
     return Failure.PERMANENT
 
 
-def _error_text(response: httpx.Response) -> str:
+def _error_text(response: Answer) -> str:
     try:
         body = response.json()
     except ValueError:
@@ -85,30 +82,25 @@ class ControlPlaneClient:
         base_url: str,
         cluster: str,
         timeout_s: float,
-        transport: httpx.AsyncBaseTransport | None = None,
         partition: Partition | None = None,
     ) -> None:
-        # The agent's one TLS context (a context of its own would cost a few MiB, even unverified),
-        # and no proxies from the environment: the control plane is addressed directly.
-        self._client = httpx.AsyncClient(
+        # The agent's one TLS context, no proxies from the environment (the control plane is
+        # addressed directly), and its connection kept between heartbeats.
+        self._client = HttpClient(
             base_url=base_url,
             timeout=timeout_s,
-            trust_env=False,
-            verify=tls.client_context(),
-            limits=httpx.Limits(keepalive_expiry=AGENT_KEEPALIVE_S),
-            transport=transport,
-            event_hooks={"request": [self._check_partition]},
+            keepalive_s=AGENT_KEEPALIVE_S,
+            before_call=self._check_partition,
         )
         self._partition = partition
         self._cluster = cluster
         self._prefix = f"{AGENT_API_PREFIX}/clusters/{quote(cluster, safe='')}"
 
-    async def _check_partition(self, request: httpx.Request) -> None:
+    def _check_partition(self) -> None:
         """Behind a NetworkPartition (hyperpod_sim/contracts/partition.py) no call leaves this node."""
         if self._partition is not None and self._partition.active():
-            raise httpx.ConnectError(
-                f"network partition (fault {self._partition.fault_id}): the control plane is unreachable",
-                request=request,
+            raise HttpError(
+                f"network partition (fault {self._partition.fault_id}): the control plane is unreachable"
             )
 
     async def __aenter__(self) -> ControlPlaneClient:
@@ -165,11 +157,9 @@ class ControlPlaneClient:
         path = agent_api_path(NODE_POLICY_ROUTE, cluster=self._cluster, node_id=node_id)
         return await self._call("GET", path, token=token, json_body=None)
 
-    async def request(
-        self, method: str, suffix: str, *, token: str | None, json_body: Any = None
-    ) -> httpx.Response:
+    async def request(self, method: str, suffix: str, *, token: str | None, json_body: Any = None) -> Answer:
         """Any call under this cluster's ``/agent/v1/clusters/{cluster}`` prefix, answered as it
-        comes (the in-memory tier reads 201/404/409 itself); transport errors are raised."""
+        comes (the in-memory tier reads 201/404/409 itself); HttpError when no answer came."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         return await self._client.request(method, f"{self._prefix}{suffix}", headers=headers, json=json_body)
 
@@ -177,8 +167,8 @@ class ControlPlaneClient:
         headers = {"Authorization": f"Bearer {token}"}
         try:
             response = await self._client.request(method, path, headers=headers, json=json_body)
-        except httpx.TransportError as exc:  # connect/read/write errors, timeouts, protocol errors
-            return Reply(failure=Failure.TEMPORARY, message=f"{type(exc).__name__}: {exc}")
+        except HttpError as exc:  # refused, broken off, timed out
+            return Reply(failure=Failure.TEMPORARY, message=str(exc))
         if response.status_code != 200:
             return Reply(
                 failure=_classify(response.status_code),
@@ -188,7 +178,7 @@ class ControlPlaneClient:
             )
         try:
             body = response.json()
-        except (ValueError, json.JSONDecodeError):
+        except ValueError:
             body = None
         if not isinstance(body, dict):
             return Reply(failure=Failure.PERMANENT, status=200, message="the answer is not a JSON object")

@@ -25,10 +25,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import httpx
-
 from hyperpod_sim.agents import catalog
 from hyperpod_sim.agents.cluster import ClusterView
+from hyperpod_sim.agents.http.client import HttpError
 from hyperpod_sim.agents.retry import Backoff
 from hyperpod_sim.agents.store import ShardStore
 from hyperpod_sim.agents.tiermodel import TierError
@@ -223,7 +222,7 @@ class NamespaceIndex:
                     content=body,
                     headers={**self.cluster.token_header(), "Content-Type": "application/json"},
                 )
-            except httpx.HTTPError as exc:
+            except HttpError as exc:
                 log.info("home %s of %r did not take this node's index: %s", home, namespace, exc)
                 self.counters.report_failures_total += 1
                 return False
@@ -322,7 +321,7 @@ class NamespaceIndex:
                 response = await self.cluster.peers.get(
                     f"{members[home]}{path}", params=params, headers=self.cluster.token_header()
                 )
-            except httpx.HTTPError as exc:
+            except HttpError as exc:
                 log.info("home %s of %r did not answer: %s", home, namespace, exc)
                 continue
             if response.status_code != 200:

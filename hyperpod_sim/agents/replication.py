@@ -13,11 +13,10 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlencode
 
-import httpx
-
 from hyperpod_sim.agents import catalog
 from hyperpod_sim.agents.clock import Clock
 from hyperpod_sim.agents.cluster import ClusterView
+from hyperpod_sim.agents.http.client import HttpError
 from hyperpod_sim.agents.retry import Backoff
 from hyperpod_sim.agents.store import CorruptShard, ShardInfo, ShardKey, ShardStore
 from hyperpod_sim.agents.tiermodel import TierCounters
@@ -127,7 +126,7 @@ class Replicator:
                     log.warning("replica of %s refused by %s: %s", key, peer, response.text[:200])
                     if response.status_code == 507:
                         break  # the peer has no room; retrying will not make any
-                except httpx.HTTPError as exc:
+                except HttpError as exc:
                     log.info("replica of %s to %s failed, retrying: %s", key, peer, exc)
             await self._clock.sleep(backoff.next_delay())
         self._counters.replication_failures_total += 1
@@ -148,7 +147,7 @@ class Replicator:
                         f"{endpoint}{agent_path(INTERNAL_INDEX_ROUTE, namespace=name)}",
                         headers=self._cluster.token_header(),
                     )
-                except httpx.HTTPError:
+                except HttpError:
                     continue
                 index = catalog.peer_index(response)
                 if index is None:

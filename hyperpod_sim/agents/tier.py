@@ -33,14 +33,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from urllib.parse import quote, urlencode
 
-import httpx
-
 from hyperpod_sim.agents import catalog
 from hyperpod_sim.agents.clock import SYSTEM_CLOCK, Clock
 from hyperpod_sim.agents.cluster import ClusterView
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
 from hyperpod_sim.agents.fastpath import FastPath
 from hyperpod_sim.agents.homes import NamespaceIndex
+from hyperpod_sim.agents.http.client import Answer, HttpError
 from hyperpod_sim.agents.numbers import echo
 from hyperpod_sim.agents.replication import Replicator
 from hyperpod_sim.agents.s3.objects import S3Unavailable
@@ -115,7 +114,7 @@ from hyperpod_sim.contracts.shards import SHARD_META, TIER_HEADER, checksum_of
 log = logging.getLogger(__name__)
 
 
-def _control_plane_refusal(response: httpx.Response, *, default: str) -> TierError:
+def _control_plane_refusal(response: Answer, *, default: str) -> TierError:
     """The control plane's refusal of a call, as this agent answers it: its status, code and
     message (``default`` the code when its body names none)."""
     try:
@@ -606,7 +605,7 @@ class MemoryTier:
                 response = await self.cluster.peers.get(
                     f"{endpoint}{path}", headers=self.cluster.token_header(), params=params
                 )
-            except httpx.HTTPError:
+            except HttpError:
                 continue
             if response.status_code != 200:
                 continue

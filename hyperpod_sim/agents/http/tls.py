@@ -1,9 +1,9 @@
 """The one TLS context of an agent's HTTP clients.
 
-httpx builds a context for each client made with the default ``verify=True``, and loading the CA
-bundle into it costs about a MiB of memory per client. An agent's clients verify with this one
-instead; the agent launcher (agents/launcher.py) builds it before it forks, so that every agent it
-starts shares its pages instead of loading the bundle again.
+A client that builds a context of its own (httpx's default ``verify=True``, aiohttp's default
+``ssl``) loads the CA bundle into it: about a MiB of memory per client. An agent's clients verify
+with this one instead; the agent launcher (agents/launcher.py) builds it before it forks, so that
+every agent it starts shares its pages instead of loading the bundle again.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from functools import cache
 
 @cache
 def client_context() -> ssl.SSLContext:
-    """A verifying context with certifi's CA bundle (what httpx loads for a client that does not
-    trust the environment), built once per process."""
+    """A verifying context with certifi's CA bundle, built once per process."""
     import certifi
 
     return ssl.create_default_context(cafile=certifi.where())

@@ -281,17 +281,17 @@ def _say(message: str) -> None:
 
 def prepare() -> None:
     """Import what an agent runs and build once what every agent would build alike, before the
-    first fork: the TLS context, and what pydantic-settings, asyncio and httpx make at their first
-    use (measured: about 5 MiB of each agent's private memory otherwise)."""
+    first fork: the TLS context, and what pydantic-settings, asyncio and the HTTP client make at
+    their first use (measured: about 5 MiB of each agent's private memory otherwise)."""
     import asyncio
     import importlib
 
-    import httpx
     from pydantic import SecretStr, ValidationError
 
     import hyperpod_sim.agents.main  # noqa: F401
     from hyperpod_sim.agents.config import AgentSettings
     from hyperpod_sim.agents.http import tls
+    from hyperpod_sim.agents.http.client import HttpClient
 
     # boto3 comes only when an agent's S3 tier makes its first call; imported here, its modules
     # are shared (measured, 8 children building an S3 client: 26.8 MiB PSS each, 36.0 when each
@@ -299,14 +299,15 @@ def prepare() -> None:
     for module in ("boto3", "boto3.s3.transfer", "botocore.config"):
         importlib.import_module(module)
 
-    context = tls.client_context()
+    tls.client_context()
     # HPSIM_AGENT_* variables a setting refuses are each agent's to report, in its log.
     with contextlib.suppress(ValidationError):
         AgentSettings(control_plane="http://127.0.0.1:1", cluster="warm-up", token=SecretStr("warm-up" * 4))
 
     async def warm_up() -> None:
-        async with httpx.AsyncClient(verify=context, trust_env=False):
-            await asyncio.sleep(0)
+        client = HttpClient(timeout=1.0)
+        client._open()  # the session and its connector, as an agent's first call makes them
+        await client.aclose()
 
     asyncio.run(warm_up())
 

@@ -35,11 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import httpx
-
 from hyperpod_sim.agents import catalog
 from hyperpod_sim.agents.clock import SYSTEM_CLOCK, Clock
 from hyperpod_sim.agents.cluster import ClusterView
+from hyperpod_sim.agents.http.client import HttpError, Timeout
 from hyperpod_sim.agents.retry import Backoff
 from hyperpod_sim.agents.s3 import reads as s3reads
 from hyperpod_sim.agents.s3.objects import S3Faults, S3Objects, S3Unavailable
@@ -69,7 +68,7 @@ T = TypeVar("T")
 
 PERSIST_RETRY_MAX_S = 30.0
 # A peer's persist answer waits for its uploads: allow big shards on slow S3.
-PEER_PERSIST_TIMEOUT = httpx.Timeout(10.0, read=900.0)
+PEER_PERSIST_TIMEOUT = Timeout(connect=10.0, read=900.0)
 
 
 class PersistFailed(Exception):
@@ -82,7 +81,7 @@ def is_temporary(exc: Exception) -> bool:
     answer off the contract or a bug of ours is permanent."""
     if isinstance(exc, TierError):
         return exc.status >= 500
-    return isinstance(exc, PersistFailed | S3Unavailable | httpx.HTTPError | OSError | TimeoutError)
+    return isinstance(exc, PersistFailed | S3Unavailable | HttpError | OSError | TimeoutError)
 
 
 @dataclass
