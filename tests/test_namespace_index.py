@@ -73,6 +73,25 @@ def test_latest_and_a_remote_read_ask_one_home_not_every_agent(agent_plane: Cont
     assert total(agents, "hpsim_tier_catalog_answers_total") - answers == len(agents) + 1
 
 
+def test_a_new_namespace_saved_by_every_node_is_answered_without_asking_any_agent(
+    agent_plane: ControlPlane, sm: Any
+) -> None:
+    nodes = cluster(sm, agent_plane, "everyone", 4)
+    homes = homes_of(nodes, "job")
+    # The homes save first: each then knows the member list that the others' reports arrive under.
+    order = [*homes, *(n for n in nodes if n not in homes)]
+    assert create_namespace(url(order[0]), "job", len(order)).status_code == 201
+    for rank, node in enumerate(order):
+        assert put(url(node), "job", rank, 1, b"one-%d" % rank).status_code == 200
+    agents = [url(n) for n in nodes]
+    for agent in agents:
+        assert latest(agent, "job") == [1]
+    # Every node reported its image as it saved: no home asked anyone for an index to answer.
+    assert total(agents, "hpsim_tier_index_answers_total") == 0
+    assert total(agents, "hpsim_tier_catalog_rebuilds_total") == 0
+    assert total(agents, "hpsim_tier_catalog_fallbacks_total") == 0
+
+
 def test_the_index_never_lists_an_incomplete_step(agent_plane: ControlPlane, sm: Any) -> None:
     agents = [url(n) for n in cluster(sm, agent_plane, "partial", 4)]
     assert create_namespace(agents[0], "job", 3).status_code == 201
