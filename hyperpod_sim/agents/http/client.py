@@ -8,7 +8,10 @@ measurement behind it: docs/decisions/0005-agent-http-client.md.
 
 Timeouts are per wait, as before: ``connect`` for a connection, ``read`` for each wait for more of
 the answer (a big shard streams for as long as it keeps coming); waiting for a free connection of
-the pool is not bounded (a fan-out to 1,024 agents queues behind 64 connections).
+the pool is not bounded (a fan-out to 1,024 agents queues behind 64 connections). A request with a
+body must also be sent and answered within ``read`` plus its length at :data:`BODY_MIN_RATE`: a
+peer that stops reading (frozen, partitioned) cannot hold an upload for ever (aiohttp has no
+timeout of its own for writes; httpx's was 10 s per write).
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class Answer:
 
 
 Body = bytes | memoryview | AsyncIterable[bytes]
+
+# The slowest an upload may go, as the agents' server asks of a body (agents/http/server.py).
+BODY_MIN_RATE = 1024 * 1024  # bytes a second
 
 
 class HttpClient:
@@ -120,8 +126,16 @@ class HttpClient:
             options["json"] = json
         elif content is not None:
             options["data"] = content
-        if timeout is not None:
-            options["timeout"] = Timeout.of(timeout).client_timeout()
+        waits = self.timeout if timeout is None else Timeout.of(timeout)
+        length = _length(content, headers)
+        if length is not None:
+            options["timeout"] = aiohttp.ClientTimeout(
+                total=waits.connect + waits.read + length / BODY_MIN_RATE,
+                sock_connect=waits.connect,
+                sock_read=waits.read,
+            )
+        elif timeout is not None:
+            options["timeout"] = waits.client_timeout()
         target = url if "://" in url else f"{self.base_url}{url}"
         try:
             async with self._open().request(method, target, **options) as response:
@@ -142,3 +156,14 @@ class HttpClient:
 
     async def delete(self, url: str, **options: Any) -> Answer:
         return await self.request("DELETE", url, **options)
+
+
+def _length(content: Body | None, headers: Mapping[str, str] | None) -> int | None:
+    """The length of a request's body; None without one (a JSON body is small and counts as
+    none), or when a streamed body declares no Content-Length (sent chunked, not bounded)."""
+    if content is None:
+        return None
+    if isinstance(content, bytes | memoryview):
+        return memoryview(content).nbytes
+    declared = next((v for k, v in (headers or {}).items() if k.lower() == "content-length"), None)
+    return int(declared) if declared is not None and declared.isdigit() else None
