@@ -37,7 +37,6 @@ from hyperpod_sim.agents.http.server import (
     Response,
     json_response,
 )
-from hyperpod_sim.agents.main import new_event_loop
 from tests.conftest import wait_for
 
 MiB = 1024 * 1024
@@ -143,21 +142,14 @@ class App:
 class ServerThread:
     """An :class:`HttpServer` on a loopback port, on an event loop in a thread."""
 
-    def __init__(
-        self, app: App, loop_factory: Callable[[], asyncio.AbstractEventLoop], **options: Any
-    ) -> None:
+    def __init__(self, app: App, **options: Any) -> None:
         self.app = app
         self.options = options
         self.port = 0
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._loop_factory = loop_factory
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with asyncio.Runner(loop_factory=self._loop_factory) as runner:
-            runner.run(self._main())
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
 
     async def _main(self) -> None:
         sock = socket.socket()
@@ -254,19 +246,12 @@ def data_file(tmp_path: Path) -> tuple[Path, bytes]:
     return path, data
 
 
-# The agents' event loop (uvloop's, agents.main.new_event_loop), and asyncio's, which the server
-# runs on in-process (the tier's tests, pytest's loops).
-LOOPS = {"uvloop": new_event_loop, "asyncio": asyncio.new_event_loop}
-
-
-@pytest.fixture(params=sorted(LOOPS))
-def serve(
-    request: pytest.FixtureRequest, data_file: tuple[Path, bytes]
-) -> Iterator[Callable[..., ServerThread]]:
+@pytest.fixture
+def serve(data_file: tuple[Path, bytes]) -> Iterator[Callable[..., ServerThread]]:
     started: list[ServerThread] = []
 
     def start(**options: Any) -> ServerThread:
-        server = ServerThread(App(data_file[0]), LOOPS[request.param], **options)
+        server = ServerThread(App(data_file[0]), **options)
         server.start()
         started.append(server)
         return server

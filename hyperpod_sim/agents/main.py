@@ -18,8 +18,6 @@ import socket
 import sys
 from pathlib import Path
 
-import uvloop
-
 from hyperpod_sim.agents.app import AgentApp
 from hyperpod_sim.agents.config import AgentSettings
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
@@ -48,8 +46,7 @@ def run(settings: AgentSettings) -> int:
         log.error("cannot listen on %s:%s: %s", settings.host, settings.port, exc)
         return 1
     try:
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            return runner.run(serve(settings=settings, sock=sock))
+        return asyncio.run(serve(settings=settings, sock=sock))
     except UnsafeDirectory as exc:
         log.error(
             "refusing to start: %s. Remove it (its checkpoints cannot be trusted), or choose a "
@@ -62,14 +59,6 @@ def run(settings: AgentSettings) -> int:
         return 1
     finally:
         sock.close()
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """The agent's event loop: uvloop's (libuv, in C), not asyncio's pure-Python one. An agent
-    woken once a rollout runs little Python of its own; with asyncio's loop each wake-up and
-    each new connection ran Python code whose pages the kernel then copies again where ksmd had
-    merged them (docs/decisions/0006-agent-event-loop.md has the numbers)."""
-    return uvloop.new_event_loop()
 
 
 def bind(*, host: str, port: int) -> socket.socket:

@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from http import HTTPStatus
-from typing import IO, Protocol, cast
+from typing import IO, Protocol
 
 from hyperpod_sim.agents.http.messages import (
     MAX_HEADER_BYTES,
@@ -88,11 +87,11 @@ class Connection(asyncio.BufferedProtocol):
     # ------------------------------------------------------------------ protocol callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport: asyncio's, or uvloop's (which does not derive from asyncio.Transport).
-        self._transport = cast(asyncio.Transport, transport)
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
         # Each slice of a large body is written when the previous one has left entirely, so the
         # transport's send() takes it from the caller's buffer and never copies a whole slice.
-        self._transport.set_write_buffer_limits(high=0)
+        transport.set_write_buffer_limits(high=0)
         self._server.connections.add(self)
         self.task = self._loop.create_task(self._serve())
 
@@ -491,49 +490,24 @@ class Connection(asyncio.BufferedProtocol):
             await self._sendfile_from(body.file, body)
 
     async def _sendfile_from(self, file: IO[bytes], body: FileBody) -> None:
-        """``os.sendfile`` from the file to the connection's socket, the transport's buffer empty
-        before each call (nothing of the head is overtaken). Not ``loop.sendfile``: uvloop's loop
-        (the agents', see ``agents.main.new_event_loop``) has none."""
         transport = self._transport
         assert transport is not None
-        sock = transport.get_extra_info("socket")
         offset, left = body.offset, body.length
         while left:
             await self._drain()
-            if transport.is_closing():
+            count = min(left, _SENDFILE_SEGMENT_BYTES)
+            if transport.is_closing():  # loop.sendfile would raise RuntimeError
                 raise ConnectionResetError("the connection closed while sending a file")
-            try:
-                sent = os.sendfile(sock.fileno(), file.fileno(), offset, min(left, _SENDFILE_SEGMENT_BYTES))
-            except BlockingIOError:
-                await self._writable(sock.fileno())
-                continue
-            if sent == 0:
+            sent = await asyncio.wait_for(
+                self._loop.sendfile(transport, file, offset, count), self._server.write_timeout_s
+            )
+            if sent != count:
                 transport.abort()
                 raise ConnectionAbortedError(
-                    f"the file ended {body.length - left} bytes into a {body.length}-byte FileBody"
+                    f"the file ended {body.length - left + sent} bytes into a {body.length}-byte FileBody"
                 )
             offset += sent
             left -= sent
-
-    async def _writable(self, fd: int) -> None:
-        """Until the socket ``fd`` takes more (``write_timeout_s`` at most: TimeoutError). Watched
-        through a duplicate of the descriptor: an event loop refuses a writer on a descriptor
-        that one of its transports owns."""
-        watched = os.dup(fd)
-        waiter = self._loop.create_future()
-
-        def ready() -> None:
-            if not waiter.done():
-                waiter.set_result(None)
-
-        self._loop.add_writer(watched, ready)
-        try:
-            await asyncio.wait_for(waiter, self._server.write_timeout_s)
-        finally:
-            self._loop.remove_writer(watched)
-            os.close(watched)
-        if self._lost:
-            raise ConnectionResetError("the client closed the connection")
 
 
 def _earliest(deadline: float, limit: float | None) -> float:

@@ -25,8 +25,8 @@ Bodies are the handler's to read, and may be large (checkpoint shards of several
   a connection reset.
 
 Responses carry ``bytes``, a ``memoryview`` (written in slices, not joined into one ``bytes``) or a
-:class:`FileBody` sent with ``os.sendfile`` (the file's pages go to the socket without passing
-through Python). ``Response.on_sent`` tells the
+:class:`FileBody` sent with :meth:`asyncio.AbstractEventLoop.sendfile` (``os.sendfile`` on Linux:
+the file's pages go to the socket without passing through Python). ``Response.on_sent`` tells the
 owner of the buffer or file when the server is done with it.
 """
 

@@ -288,10 +288,10 @@ def prepare() -> None:
 
     from pydantic import SecretStr, ValidationError
 
+    import hyperpod_sim.agents.main  # noqa: F401
     from hyperpod_sim.agents.config import AgentSettings
     from hyperpod_sim.agents.http import tls
     from hyperpod_sim.agents.http.client import HttpClient
-    from hyperpod_sim.agents.main import new_event_loop
 
     # boto3 comes only when an agent's S3 tier makes its first call; imported here, its modules
     # are shared (measured, 8 children building an S3 client: 26.8 MiB PSS each, 36.0 when each
@@ -309,8 +309,7 @@ def prepare() -> None:
         client._open()  # the session and its connector, as an agent's first call makes them
         await client.aclose()
 
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:  # the loop an agent runs on
-        runner.run(warm_up())
+    asyncio.run(warm_up())
 
 
 def mark_mergeable() -> str:
