@@ -141,6 +141,18 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
     return ticks
 
 
+def minor_faults(pids: list[int]) -> int:
+    """Minor page faults of ``pids`` so far (a merged page written is copied at one)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[7])  # minflt
+    return total
+
+
 def cpu_s(before: dict[int, int], after: dict[int, int], pids: list[int] | None = None) -> float:
     """CPU seconds that ``pids`` (None: every process of ``after``) used between two ``cpu_ticks``
     readings; a process missing from either reading counts nothing."""
@@ -407,6 +419,7 @@ class Row:
     rollouts_s: list[float]
     rollout_cpu_serve_s: float  # CPU time of one rollout (the mean), serve's and all agents'
     rollout_cpu_agents_s: float
+    rollout_faults_per_push: list[int]  # each rollout's minor faults an agent (copies of merged pages)
     save_s: float
     save_retries: int  # saves answered 503 and made again
     latest_at_once_p50_ms: float  # right after the save, its background work still running
@@ -484,9 +497,10 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
             f"(serve {serve_idle_cores:.2f}, agents {agents_idle_cores:.2f}, ksmd {ksmd_idle_cores:.2f})"
         )
 
-        rollouts = []
+        rollouts, faults = [], []
         rollout_before = cpu_ticks(processes)
         for i in range(args.rollouts):
+            faults_before = minor_faults(agents)
             started = time.perf_counter()
             client.update_cluster(
                 ClusterName=name,
@@ -497,12 +511,13 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
             )
             wait_status(client, name, "InService", args.create_timeout_s)
             rollouts.append(time.perf_counter() - started)
+            faults.append(round((minor_faults(agents) - faults_before) / max(1, len(agents))))
         rollout_after = cpu_ticks(processes)
         rollout_serve_s = cpu_s(rollout_before, rollout_after, [serve_pid]) / max(1, args.rollouts)
         rollout_agents_s = cpu_s(rollout_before, rollout_after, agents) / max(1, args.rollouts)
         progress(
             f"  {size:>5} nodes: rollouts {[round(r, 2) for r in rollouts]} s; CPU of one: serve "
-            f"{rollout_serve_s:.2f} s, agents {rollout_agents_s:.2f} s"
+            f"{rollout_serve_s:.2f} s, agents {rollout_agents_s:.2f} s; minor faults a push {faults}"
         )
 
         started = time.perf_counter()
@@ -551,6 +566,7 @@ def measure(server: Server, size: int, args: argparse.Namespace) -> Row:
         rollouts_s=[round(r, 3) for r in rollouts],
         rollout_cpu_serve_s=round(rollout_serve_s, 3),
         rollout_cpu_agents_s=round(rollout_agents_s, 3),
+        rollout_faults_per_push=faults,
         save_s=round(save_s, 2),
         save_retries=retried,
         latest_at_once_p50_ms=round(statistics.median(at_once) * 1000, 2),
