@@ -12,7 +12,7 @@ import pytest
 from hyperpod_sim.domain.checkpoints.listing import NamespaceCheckpoints, StepLocation
 from hyperpod_sim.domain.overview import held_bytes, restore_plan
 from hyperpod_sim.sdk.auth import bearer_token
-from tests.conftest import EKS, ControlPlane, group
+from tests.conftest import EKS, ControlPlane, group, wait_for
 
 
 def create(plane: ControlPlane, name: str, count: int = 2, **extra: Any) -> None:
@@ -53,10 +53,16 @@ def test_overview_answers_304_until_something_changes(control_plane: ControlPlan
     assert httpx.get(url, headers={"If-None-Match": etag}).status_code == 304
 
     create(control_plane, "watched", 2, Orchestrator=EKS, TieredStorageConfig={"Mode": "Enable"})
-    changed = httpx.get(url, headers={"If-None-Match": etag})
-    assert changed.status_code == 200
+
+    def with_its_nodes() -> tuple[httpx.Response, dict[str, Any]] | None:
+        # The reconciler adds the nodes in its first pass after CreateCluster: wait for them.
+        answer = httpx.get(url, headers={"If-None-Match": etag})
+        assert answer.status_code == 200  # the cluster is there at once: never 304 again
+        (summary,) = answer.json()["Clusters"]
+        return (answer, summary) if summary["InstanceGroups"][0]["CurrentCount"] == 2 else None
+
+    changed, summary = wait_for(with_its_nodes, what="the overview listing the cluster's two nodes")
     assert changed.headers["etag"] != etag
-    (summary,) = changed.json()["Clusters"]
     assert summary["ClusterName"] == "watched"
     assert summary["ClusterStatus"] == "Creating"
     assert summary["Orchestrator"] == "Eks"
