@@ -62,16 +62,26 @@ def free_port(host: str = HOST) -> int:
         return port
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process, from ``/proc/<pid>/stat`` (None when it is gone or
-    there is no /proc)."""
+# Indexes into proc_stat's fields (proc(5) numbers them from 1, with the pid and command as 1 and 2).
+STAT_STATE, STAT_MINFLT, STAT_UTIME, STAT_STIME = 0, 7, 11, 12
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command (fields[0] is field 3, the state);
+    None when the process is gone or there is no /proc."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stat.rpartition(")")[2].split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (None when it is gone or there is no /proc)."""
+    fields = proc_stat(pid)
+    if fields is None:
+        return None
+    return (int(fields[STAT_UTIME]) + int(fields[STAT_STIME])) / os.sysconf("SC_CLK_TCK")
 
 
 MEMORY_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")

@@ -58,7 +58,20 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.common, as bench/x.py too
 
-from bench.common import MIB, Server, int_list_option, poll, progress, table, with_notes
+from bench.common import (
+    MIB,
+    STAT_MINFLT,
+    STAT_STATE,
+    STAT_STIME,
+    STAT_UTIME,
+    Server,
+    int_list_option,
+    poll,
+    proc_stat,
+    progress,
+    table,
+    with_notes,
+)
 from bench.runner import (
     EXECUTION_ROLE,
     INSTANCE_TYPE,
@@ -133,24 +146,15 @@ def pss_bytes(pid: int) -> int | None:
 def cpu_ticks(pids: list[int]) -> dict[int, int]:
     ticks = {}
     for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+        fields = proc_stat(pid)
+        if fields is not None:
+            ticks[pid] = int(fields[STAT_UTIME]) + int(fields[STAT_STIME])
     return ticks
 
 
 def minor_faults(pids: list[int]) -> int:
     """Minor page faults of ``pids`` so far (a merged page written is copied at one)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        total += int(fields[7])  # minflt
-    return total
+    return sum(int(fields[STAT_MINFLT]) for fields in map(proc_stat, pids) if fields is not None)
 
 
 def cpu_s(before: dict[int, int], after: dict[int, int], pids: list[int] | None = None) -> float:
@@ -175,11 +179,8 @@ def agent_pids(data_dir: Path, node_ids: list[str]) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    fields = proc_stat(pid)
+    return fields is not None and fields[STAT_STATE] != "Z"
 
 
 # ---------------------------------------------------------------------- same-page merging (KSM)
