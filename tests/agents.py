@@ -72,9 +72,11 @@ def start_agent(plane_url: str, cluster: str, token: str, data_dir: Path) -> sub
         )
 
 
-def connections_to(endpoint: str) -> set[int]:
+def connections_to(endpoint: str, *, established: bool = True) -> set[int]:
     """The local ports of this process's established TCP connections to the agent at ``endpoint``
-    (``http://host:port``, IPv4): ``/proc/self/fd`` against ``/proc/self/net/tcp``."""
+    (``http://host:port``, IPv4): ``/proc/self/fd`` against ``/proc/self/net/tcp``. Not
+    ``established``: its sockets in any state, a connection the agent closed but this process
+    never did (CLOSE_WAIT) included."""
     url = urlsplit(endpoint)
     # /proc/net/tcp's remote address: the IPv4 address as a little-endian hex word, then the port.
     wanted = f"{socket.inet_aton(url.hostname or '').hex()}"
@@ -91,6 +93,6 @@ def connections_to(endpoint: str) -> set[int]:
     for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
         local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
-        if state == "01" and inode in inodes and remote == wanted:
+        if (state == "01" or not established) and inode in inodes and remote == wanted:
             ports.add(int(local.split(":")[1], 16))
     return ports

@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,11 @@ from hyperpod_sim.domain.checkpoints.agent_client import (
     KeptConnections,
     exchange,
 )
+from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
+from hyperpod_sim.domain.checkpoints.pushes import PolicyPusher, PushConfig
+from hyperpod_sim.domain.clock import Ids, SystemClock
+from hyperpod_sim.models import Database
+from tests.conftest import wait_for
 
 Behaviour = Callable[[socket.socket, bytes], bool]  # answer one request; False: close the connection
 
@@ -200,7 +206,7 @@ def test_a_kept_connection_the_agent_closed_while_idle_is_retried_once_on_a_new_
         echo(conn, request)
         return False  # the connection closes after each answer, as an agent's idle timeout would
 
-    kept = KeptConnections(keep_s=60, timeout=5)
+    kept = KeptConnections(timeout=5)
     with agents(once_per_connection) as (agent,):
         for _ in range(3):
             connection = kept.take(agent.endpoint, "t")
@@ -253,3 +259,54 @@ def test_an_agent_that_drips_its_answer_times_out_as_a_silent_one_would() -> Non
     assert isinstance(answered, Answer)
     assert isinstance(dripped, AgentUnreachable)
     assert "TimeoutError" in str(dripped)
+
+
+def test_the_pusher_greets_each_agent_once_and_holds_its_connection_until_the_node_leaves(
+    tmp_path: Path,
+) -> None:
+    """The pusher's connections (domain/checkpoints/pushes.py, ``hold``): one greeting per agent,
+    ``GET /health`` with the node's control-plane token, whose connection the node's pushes then
+    use; closed when the node leaves, and all of a cluster's when the cluster is gone. An agent
+    that cannot be greeted is tried again only after a backoff, not at every pass."""
+
+    def hang_up(conn: socket.socket, request: bytes) -> bool:
+        return False  # closed unanswered, as a cut-off node's agent does
+
+    pusher = PolicyPusher(
+        db=Database(f"sqlite:///{tmp_path / 'pushes.db'}"),
+        clock=SystemClock(),
+        ids=Ids(),
+        config=PushConfig(
+            timeout_s=5,
+            backoff_s=0.2,
+            backoff_max_s=10,
+            memory_scale=1.0,
+            s3_endpoint=S3Endpoint(url=None, region="us-east-1"),
+        ),
+        workers=4,
+    )
+    try:
+        with agents(echo, echo, hang_up) as (first, second, cut_off):
+            nodes = {(first.endpoint, "cp-1"), (second.endpoint, "cp-2"), (cut_off.endpoint, "cp-3")}
+            pusher.hold("c", nodes)
+            pusher.hold("c", nodes)  # a later pass: nothing greeted twice, the cut-off one waits
+            assert len(cut_off.requests) == 1
+            for agent, token in ((first, "cp-1"), (second, "cp-2")):
+                assert (agent.connections, len(agent.requests)) == (1, 1)
+                request = agent.requests[0].decode()
+                assert request.startswith("GET /health HTTP/1.1\r\n")
+                assert f"Authorization: Bearer {token}\r\n" in request
+
+            # A push to the first node goes over its greeting's connection.
+            connection = pusher.connections.take(first.endpoint, "cp-1")
+            assert connection.call("PUT", "/v1/policy", body={"generation": 2}).status == 200
+            pusher.connections.give_back(first.endpoint, connection)
+            assert (first.connections, len(first.requests)) == (1, 2)
+
+            pusher.hold("c", {(first.endpoint, "cp-1")})  # the second node left
+            wait_for(lambda: second.open_now == 0, timeout=10, what="the second node's connection closed")
+            assert first.open_now == 1
+            pusher.retain([])  # the cluster is gone
+            wait_for(lambda: first.open_now == 0, timeout=10, what="the first node's connection closed")
+    finally:
+        pusher.close()

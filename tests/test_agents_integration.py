@@ -105,13 +105,24 @@ def test_rollout_budget_and_ring(agent_plane: ControlPlane, sm: Any) -> None:
         assert policy["replication"] == {"factor": 0, "peers": []}
 
 
-def test_the_control_plane_keeps_its_connection_to_each_agent_between_rollouts(
+def test_the_control_plane_holds_a_connection_to_each_agent_from_its_registration(
     agent_plane: ControlPlane, sm: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A rollout pushes over the connections the one before left open (the control plane runs
-    in this process): the agents' side of a push is a third of its cost without a new connection."""
+    """The control plane greets each agent once it has registered and holds that connection for
+    the node's life (it runs in this process): every rollout pushes over it, the first included;
+    on a new connection the agents' side of a push costs three times as much."""
     create_tiered(sm, "kept", 2)
     wait_status(sm, "kept", "InService")
+
+    def held() -> dict[str, set[int]]:
+        listed = nodes(agent_plane, "kept")
+        return {n["InstanceId"]: connections_to(n["AgentStatus"]["Endpoint"]) for n in listed}
+
+    def one_each() -> dict[str, set[int]] | None:
+        found = held()
+        return found if all(len(ports) == 1 for ports in found.values()) else None
+
+    greeted = wait_for(one_each, timeout=30, what="one connection held to each agent")
 
     def roll_out(percentage: int) -> dict[str, set[int]]:
         sm.update_cluster(
@@ -119,14 +130,12 @@ def test_the_control_plane_keeps_its_connection_to_each_agent_between_rollouts(
             TieredStorageConfig={"Mode": "Enable", "InstanceMemoryAllocationPercentage": percentage},
         )
         wait_status(sm, "kept", "InService")
-        kept = {}
         for node in nodes(agent_plane, "kept"):
             assert agent_policy(node)["memory_budget_bytes"] == expected_budget("ml.p5.48xlarge", percentage)
-            kept[node["InstanceId"]] = connections_to(node["AgentStatus"]["Endpoint"])
-        return kept
+        return held()
 
     first = roll_out(30)
-    assert [len(ports) for ports in first.values()] == [1, 1], first
+    assert first == greeted  # the cluster's first rollout, on the greeting's connections
     assert roll_out(40) == first
 
     # An agent killed and started again registers anew: its next push goes out on a new
@@ -145,6 +154,15 @@ def test_the_control_plane_keeps_its_connection_to_each_agent_between_rollouts(
     assert third[victim] != first[victim]
     assert len(third[victim]) == 1
     assert not [r.message for r in caplog.records if "failed" in r.message]
+
+    # The node's connection closes when it leaves, every one when the cluster does.
+    endpoints = {n["InstanceId"]: n["AgentStatus"]["Endpoint"] for n in nodes(agent_plane, "kept")}
+    sm.delete_cluster(ClusterName="kept")
+    wait_for(
+        lambda: not any(connections_to(e, established=False) for e in endpoints.values()),
+        timeout=60,
+        what="the held connections closed with the cluster",
+    )
 
 
 # Not about failure detection: a node failed for a few seconds' silence on a loaded machine would

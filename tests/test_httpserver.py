@@ -25,7 +25,9 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import pytest
+from pydantic import SecretStr
 
+from hyperpod_sim.agents.app import AgentApp
 from hyperpod_sim.agents.http.server import (
     DRAIN_MAX_BYTES,
     MAX_HEADER_BYTES,
@@ -37,6 +39,7 @@ from hyperpod_sim.agents.http.server import (
     Response,
     json_response,
 )
+from hyperpod_sim.agents.state import AgentState
 from tests.conftest import wait_for
 
 MiB = 1024 * 1024
@@ -591,6 +594,41 @@ def test_an_answer_may_keep_its_connection_longer_than_the_idle_timeout(
     assert kept.response()[0] == 200
     assert kept.closed_by_server()
     kept.close()
+
+
+def test_the_agent_keeps_the_control_planes_greeting_connection_past_its_idle_timeout() -> None:
+    """``GET /health`` with the node's control-plane token is the control plane's greeting: the
+    agent keeps that connection for its pushes (contracts/agent_api.py, AGENT_PUSH_IDLE_S).
+    Health stays open to anyone, and any other caller's connection closes when idle."""
+    state = AgentState(cluster="c")
+    state.mark_registered(
+        node_id="i-1",
+        cluster_token=SecretStr("cluster-token"),
+        node_token=SecretStr("node-token"),
+        control_plane_token=SecretStr("control-plane-token"),
+    )
+    server = ServerThread(AgentApp(state=state), idle_timeout_s=0.3)
+    server.start()
+    try:
+        greeting = server.raw()
+        greeting.send(head("GET", "/health", "Authorization: Bearer control-plane-token"))
+        assert greeting.response()[0] == 200
+        for headers in [(), ("Authorization: Bearer cluster-token",), ("Authorization: Bearer wrong",)]:
+            client = server.raw()
+            client.send(head("GET", "/health", *headers))
+            assert client.response()[0] == 200  # answered: health is open
+            client.deadline = time.monotonic() + 5
+            assert client.closed_by_server()
+            client.close()
+        # Idle past the server's timeout (after the others, which were answered later), and still
+        # served: the control plane's next push goes over it.
+        greeting.deadline = time.monotonic() + 5
+        greeting.send(head("GET", "/health"))
+        status, _, body = greeting.response()
+        assert (status, json.loads(body)["node_id"]) == (200, "i-1")
+        greeting.close()
+    finally:
+        server.stop()
 
 
 def test_shutdown_closes_idle_and_busy_connections(serve: Callable[..., ServerThread]) -> None:

@@ -10,7 +10,7 @@ from urllib.parse import parse_qs
 from hyperpod_sim.agents.access import refusal, route_credential
 from hyperpod_sim.agents.http.server import DropConnection, Request, Response, error_response, json_response
 from hyperpod_sim.agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier_metrics
-from hyperpod_sim.agents.state import AgentState, ApplyStatus, Credential
+from hyperpod_sim.agents.state import AgentState, ApplyStatus, AuthStatus, Credential
 from hyperpod_sim.agents.tier import MemoryTier
 from hyperpod_sim.agents.tiermodel import TierError
 from hyperpod_sim.agents.tierroutes import Handler, Parameters, TierRoutes, tiering_off
@@ -80,10 +80,22 @@ class AgentApp:
             response = await endpoint.handler(request, found.parameters)
         except TierError as exc:
             return tier_refused(exc)
-        if credential is Credential.CONTROL_PLANE:
+        if credential is Credential.CONTROL_PLANE or self._greeting(request, route):
             # The control plane keeps this connection for its next push (contracts/agent_api.py).
             response = replace(response, keep_idle_s=AGENT_PUSH_IDLE_S)
         return response
+
+    def _greeting(self, request: Request, route: AgentRoute) -> bool:
+        """Whether ``request`` is the control plane's greeting: ``GET /health`` with this node's
+        control-plane token, on the connection it then holds for its pushes. Health stays open to
+        everyone; any other token is only not kept longer."""
+        if (route.method, route.template) != ("GET", HEALTH_PATH):
+            return False
+        authorization = request.headers.get("authorization")
+        return (
+            authorization is not None
+            and self._state.check_token(authorization, Credential.CONTROL_PLANE) is AuthStatus.OK
+        )
 
     @staticmethod
     def _no_method(request: Request, methods: Mapping[str, Endpoint]) -> Response:

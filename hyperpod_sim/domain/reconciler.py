@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, selectinload
 from hyperpod_sim.domain import events, faults
 from hyperpod_sim.domain import operation_records as operations
 from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
-from hyperpod_sim.domain.checkpoints.pushes import PolicyPusher, PushConfig, PushResult, claim_pushes
+from hyperpod_sim.domain.checkpoints.pushes import PUSHED, PolicyPusher, PushConfig, PushResult, claim_pushes
 from hyperpod_sim.domain.clock import Clock, Ids
 from hyperpod_sim.domain.lifecycle import (
     LEAVING,
@@ -223,6 +223,7 @@ class Reconciler:
         cluster_ids = self.pending_cluster_ids()
         if self.provisioner.uses_agents:  # every cluster is listed: those not listed are gone
             self.pacing.retain(cluster_ids)
+            self.pusher.retain(cluster_ids)
         for cluster_id in cluster_ids:
             for _ in range(100):  # a pass per status step; bounded in case of a bug
                 try:
@@ -254,9 +255,16 @@ class Reconciler:
                 return Outcome()
             outcome = self.step(session, cluster)
             self.pacing.count(cluster_id, sum(1 for n in cluster.nodes if n.endpoint and n.status in LIVE))
+            pushed = {
+                (n.endpoint, n.push_token)
+                for n in cluster.nodes
+                if n.status in PUSHED and n.endpoint is not None and n.push_token is not None
+            }
             rollout = None
             if outcome.behind and outcome.converged and cluster.status in _SETTLING:
                 rollout = Rollout(cluster.generation, ClusterStatus(cluster.status), len(cluster.nodes))
+        if self.provisioner.uses_agents:
+            self.pusher.hold(cluster_id, pushed)
         if outcome.launches or cluster_id in self._unlaunched:
             self._launch_agents(cluster_id, outcome.launches)
             outcome.again = outcome.changed = True

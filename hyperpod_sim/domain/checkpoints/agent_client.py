@@ -11,7 +11,7 @@ environment. What goes wrong on the way (connect, timeout, a reply that is not H
 ``exchange`` runs many calls at once from the calling thread, each on its own connection, over
 one ``selectors`` loop: a rollout's pushes to a thousand agents are a thousand sockets, not a
 thousand blocking calls in threads. ``KeptConnections`` keeps one idle connection per agent
-between rollouts.
+for as long as the caller wants it (the pusher: the node's life).
 """
 
 from __future__ import annotations
@@ -312,50 +312,46 @@ def _connect(host: str, port: int) -> socket.socket:
 
 
 class KeptConnections:
-    """Idle connections to agents, at most one per (endpoint, token), kept ``keep_s`` seconds from
-    their last use; a caller that finds none opens one. Thread-safe. A kept connection the agent
-    closed meanwhile costs a retry on a new one (``exchange``)."""
+    """Idle connections to agents, at most one per (endpoint, token), kept until ``drop``ped; a
+    caller that finds none opens one. Thread-safe. A kept connection the agent closed meanwhile
+    costs a retry on a new one (``exchange``)."""
 
-    def __init__(self, *, keep_s: float, timeout: float) -> None:
-        self._keep_s = keep_s
+    def __init__(self, *, timeout: float) -> None:
         self._timeout = timeout
-        self._idle: dict[tuple[str, str], tuple[AgentConnection, float]] = {}
+        self._idle: dict[tuple[str, str], AgentConnection] = {}
         self._lock = threading.Lock()
 
     def take(self, endpoint: str, token: str) -> AgentConnection:
         """The kept connection to the agent at ``endpoint``, or a new one; ``give_back`` it."""
-        key = (endpoint, token)
         with self._lock:
-            kept = self._idle.pop(key, None)
-        if kept is not None and time.monotonic() - kept[1] <= self._keep_s:
-            return kept[0]
-        if kept is not None:
-            kept[0].close()
-        return AgentConnection(endpoint, token=token, timeout=self._timeout)
+            kept = self._idle.pop((endpoint, token), None)
+        return kept if kept is not None else AgentConnection(endpoint, token=token, timeout=self._timeout)
 
     def give_back(self, endpoint: str, connection: AgentConnection) -> None:
         """Keep ``connection`` (taken for ``endpoint``) if its calls left it open."""
         if not connection.open:
             return
-        key = (endpoint, connection.token)
         with self._lock:
-            replaced = self._idle.get(key)
-            self._idle[key] = (connection, time.monotonic())
-        if replaced is not None and replaced[0] is not connection:
-            replaced[0].close()
+            replaced = self._idle.get((endpoint, connection.token))
+            self._idle[(endpoint, connection.token)] = connection
+        if replaced is not None and replaced is not connection:
+            replaced.close()
 
-    def sweep(self) -> None:
-        """Close the connections idle for longer than ``keep_s`` (agents gone, endpoints changed)."""
-        cutoff = time.monotonic() - self._keep_s
+    def holds(self, endpoint: str, token: str) -> bool:
+        """Whether an idle connection to the agent at ``endpoint`` is kept."""
         with self._lock:
-            old = [key for key, (_, used) in self._idle.items() if used < cutoff]
-            closing = [self._idle.pop(key)[0] for key in old]
-        for connection in closing:
-            connection.close()
+            return (endpoint, token) in self._idle
+
+    def drop(self, endpoint: str, token: str) -> None:
+        """Close the kept connection to the agent at ``endpoint``, if any (its node left)."""
+        with self._lock:
+            kept = self._idle.pop((endpoint, token), None)
+        if kept is not None:
+            kept.close()
 
     def close(self) -> None:
         with self._lock:
-            closing = [connection for connection, _ in self._idle.values()]
+            closing = list(self._idle.values())
             self._idle.clear()
         for connection in closing:
             connection.close()

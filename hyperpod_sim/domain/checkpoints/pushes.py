@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -15,7 +17,7 @@ from sqlalchemy import case, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from hyperpod_sim.contracts.agent_api import POLICY_PATH, PUSH_KEEPALIVE_S
+from hyperpod_sim.contracts.agent_api import HEALTH_PATH, POLICY_PATH
 from hyperpod_sim.domain import events
 from hyperpod_sim.domain.checkpoints.agent_client import (
     AgentUnreachable,
@@ -35,6 +37,11 @@ from hyperpod_sim.models import Cluster, Database, Node
 log = logging.getLogger(__name__)
 
 ACKNOWLEDGE_BATCH = 500  # node ids in one statement's IN list
+# A greeting that failed (an agent hung, cut off or gone) is tried again after GREET_BACKOFF_S,
+# doubled at each failure up to GREET_BACKOFF_MAX_S: a pass waits for a greeting's timeout at most
+# that often for the node.
+GREET_BACKOFF_S = 10.0
+GREET_BACKOFF_MAX_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -161,18 +168,60 @@ class PolicyPusher:
         self.ids = ids
         self.config = config
         self.workers = workers
-        # One connection per agent, kept between rollouts (contracts/agent_api.py, PUSH_KEEPALIVE_S).
-        self.connections = KeptConnections(keep_s=PUSH_KEEPALIVE_S, timeout=config.timeout_s)
+        # One connection per agent, held for the node's life (contracts/agent_api.py, AGENT_PUSH_IDLE_S).
+        self.connections = KeptConnections(timeout=config.timeout_s)
+        self._held: dict[str, set[tuple[str, str]]] = {}  # cluster id -> (endpoint, token) held
+        # (endpoint, token) -> (failures in a row, monotonic time of the next greeting)
+        self._greet_after: dict[tuple[str, str], tuple[int, float]] = {}
 
     def close(self) -> None:
         self.connections.close()
+
+    def hold(self, cluster_id: str, agents: set[tuple[str, str]]) -> None:
+        """Hold a connection to each agent of ``agents`` ((endpoint, token) of the cluster's nodes
+        that are pushed to), opened by a greeting (``GET /health`` with the node's control-plane
+        token) before the node's first push, and close those of the nodes that left.
+
+        A push on a connection the agent accepted long before costs it far less than one on a new
+        connection (the accept and its first request: about 170 of a push's 350-390 minor faults
+        once ksmd has merged the agents' pages, docs/nodes.md), and the first rollout after a
+        cluster was left idle is the slowest a user meets."""
+        for endpoint, token in self._held.get(cluster_id, set()) - agents:
+            self.connections.drop(endpoint, token)
+            self._greet_after.pop((endpoint, token), None)
+        self._held[cluster_id] = agents
+        now = time.monotonic()
+        greet = [
+            key
+            for key in agents
+            if not self.connections.holds(*key) and self._greet_after.get(key, (0, 0.0))[1] <= now
+        ]
+        if not greet:
+            return
+        calls = [Call(self.connections.take(*key), "GET", HEALTH_PATH) for key in greet]
+        answers = exchange(calls, window=self.workers)
+        now = time.monotonic()
+        for key, call, answer in zip(greet, calls, answers, strict=True):
+            if isinstance(answer, Answer) and answer.status == 200 and call.connection.open:
+                self._greet_after.pop(key, None)
+                self.connections.give_back(key[0], call.connection)
+                continue
+            call.connection.close()
+            failures = self._greet_after.get(key, (0, 0.0))[0] + 1
+            delay = min(GREET_BACKOFF_S * 2 ** (failures - 1), GREET_BACKOFF_MAX_S)
+            self._greet_after[key] = (failures, now + delay)
+
+    def retain(self, cluster_ids: Iterable[str]) -> None:
+        """Close the connections held to the agents of clusters not in ``cluster_ids`` (gone)."""
+        for cluster_id in set(self._held) - set(cluster_ids):
+            self.hold(cluster_id, set())
+            del self._held[cluster_id]
 
     def send(self, pushes: list[Push], *, reset: bool = False) -> list[PushResult]:
         """Push each node its policy, from this thread, over one selector (agent_client.exchange);
         with ``reset``, one the agent takes even though it is older than the one it has (the
         control plane's token is the authority). Never raises: whatever goes wrong with a push (a
         connect error, an endpoint it cannot even parse) is its node's error only."""
-        self.connections.sweep()
         path = f"{POLICY_PATH}?reset=true" if reset else POLICY_PATH
         results: list[PushResult | None] = [None] * len(pushes)
         sent: list[tuple[int, Push, Call]] = []
