@@ -288,6 +288,7 @@ def test_the_pusher_greets_each_agent_once_and_holds_its_connection_until_the_no
     try:
         with agents(echo, echo, hang_up) as (first, second, cut_off):
             nodes = {(first.endpoint, "cp-1"), (second.endpoint, "cp-2"), (cut_off.endpoint, "cp-3")}
+            nodes.add(("http://127.0.0.1:99999", "cp-4"))  # an endpoint it cannot even parse
             pusher.hold("c", nodes)
             pusher.hold("c", nodes)  # a later pass: nothing greeted twice, the cut-off one waits
             assert len(cut_off.requests) == 1

@@ -425,8 +425,10 @@ def test_a_seaweedfs_killed_while_serve_runs_comes_back_with_its_data(
         got = wait_for(stored, timeout=60, what="the object stored before the kill")
         assert hashlib.sha256(got).digest() == hashlib.sha256(body).digest()
         assert "S3Error" not in job()
+        # Recorded once the restart's readiness checks are done, which may be after the listing and
+        # the read above first succeed.
         back = f"The embedded S3 at {endpoint} is back (restarted with the same data and credentials)"
-        assert any(e.startswith(back) for e in event_texts(sm, "tier"))
+        wait_for(lambda: any(e.startswith(back) for e in event_texts(sm, "tier")), timeout=60, what="back")
     finally:
         hold.unlink(missing_ok=True)
         server.stop()

@@ -198,18 +198,26 @@ class PolicyPusher:
         ]
         if not greet:
             return
-        calls = [Call(self.connections.take(*key), "GET", HEALTH_PATH) for key in greet]
-        answers = exchange(calls, window=self.workers)
+        calls: list[tuple[tuple[str, str], Call]] = []
+        for key in greet:
+            try:
+                calls.append((key, Call(self.connections.take(*key), "GET", HEALTH_PATH)))
+            except Exception:  # an endpoint it cannot even parse (its pushes say why)
+                self._greeting_failed(key, now)
+        answers = exchange([call for _, call in calls], window=self.workers)
         now = time.monotonic()
-        for key, call, answer in zip(greet, calls, answers, strict=True):
+        for (key, call), answer in zip(calls, answers, strict=True):
             if isinstance(answer, Answer) and answer.status == 200 and call.connection.open:
                 self._greet_after.pop(key, None)
                 self.connections.give_back(key[0], call.connection)
-                continue
-            call.connection.close()
-            failures = self._greet_after.get(key, (0, 0.0))[0] + 1
-            delay = min(GREET_BACKOFF_S * 2 ** (failures - 1), GREET_BACKOFF_MAX_S)
-            self._greet_after[key] = (failures, now + delay)
+            else:
+                call.connection.close()
+                self._greeting_failed(key, now)
+
+    def _greeting_failed(self, key: tuple[str, str], now: float) -> None:
+        failures = self._greet_after.get(key, (0, 0.0))[0] + 1
+        delay = min(GREET_BACKOFF_S * 2 ** (failures - 1), GREET_BACKOFF_MAX_S)
+        self._greet_after[key] = (failures, now + delay)
 
     def retain(self, cluster_ids: Iterable[str]) -> None:
         """Close the connections held to the agents of clusters not in ``cluster_ids`` (gone)."""
