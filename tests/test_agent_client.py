@@ -21,11 +21,10 @@ from hyperpod_sim.domain.checkpoints.agent_client import (
     KeptConnections,
     exchange,
 )
-from hyperpod_sim.domain.checkpoints.cluster_policy import S3Endpoint
-from hyperpod_sim.domain.checkpoints.pushes import PolicyPusher, PushConfig
-from hyperpod_sim.domain.clock import Ids, SystemClock
+from hyperpod_sim.domain.clock import Ids
 from hyperpod_sim.models import Database
-from tests.conftest import wait_for
+from tests.conftest import ManualClock, wait_for
+from tests.service_fakes import FakeProvisioner, make_reconciler
 
 Behaviour = Callable[[socket.socket, bytes], bool]  # answer one request; False: close the connection
 
@@ -272,19 +271,10 @@ def test_the_pusher_greets_each_agent_once_and_holds_its_connection_until_the_no
     def hang_up(conn: socket.socket, request: bytes) -> bool:
         return False  # closed unanswered, as a cut-off node's agent does
 
-    pusher = PolicyPusher(
-        db=Database(f"sqlite:///{tmp_path / 'pushes.db'}"),
-        clock=SystemClock(),
-        ids=Ids(),
-        config=PushConfig(
-            timeout_s=5,
-            backoff_s=0.2,
-            backoff_max_s=10,
-            memory_scale=1.0,
-            s3_endpoint=S3Endpoint(url=None, region="us-east-1"),
-        ),
-        workers=4,
-    )
+    db = Database(f"sqlite:///{tmp_path / 'pushes.db'}")
+    pusher = make_reconciler(
+        db, ManualClock(), Ids(), FakeProvisioner(), push_timeout_s=5, push_workers=4
+    ).pusher
     try:
         with agents(echo, echo, hang_up) as (first, second, cut_off):
             nodes = {(first.endpoint, "cp-1"), (second.endpoint, "cp-2"), (cut_off.endpoint, "cp-3")}

@@ -92,10 +92,7 @@ class AgentApp:
         if (route.method, route.template) != ("GET", HEALTH_PATH):
             return False
         authorization = request.headers.get("authorization")
-        return (
-            authorization is not None
-            and self._state.check_token(authorization, Credential.CONTROL_PLANE) is AuthStatus.OK
-        )
+        return self._state.check_token(authorization, Credential.CONTROL_PLANE) is AuthStatus.OK
 
     @staticmethod
     def _no_method(request: Request, methods: Mapping[str, Endpoint]) -> Response:

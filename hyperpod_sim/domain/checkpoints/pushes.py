@@ -191,19 +191,16 @@ class PolicyPusher:
             self._greet_after.pop((endpoint, token), None)
         self._held[cluster_id] = agents
         now = time.monotonic()
-        greet = [
-            key
-            for key in agents
-            if not self.connections.holds(*key) and self._greet_after.get(key, (0, 0.0))[1] <= now
-        ]
-        if not greet:
-            return
         calls: list[tuple[tuple[str, str], Call]] = []
-        for key in greet:
+        for key in agents:
+            if self.connections.holds(*key) or self._greet_after.get(key, (0, 0.0))[1] > now:
+                continue
             try:
                 calls.append((key, Call(self.connections.take(*key), "GET", HEALTH_PATH)))
             except Exception:  # an endpoint it cannot even parse (its pushes say why)
                 self._greeting_failed(key, now)
+        if not calls:
+            return
         answers = exchange([call for _, call in calls], window=self.workers)
         now = time.monotonic()
         for (key, call), answer in zip(calls, answers, strict=True):
