@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import functools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -308,13 +309,43 @@ class Supervisor:
                 rank.reader.join(timeout=5)
 
 
+# The ranks' rendezvous port is chosen below the kernel's ephemeral range: a port the probe found
+# free there cannot be handed, before rank 0 binds it, to a connection's source or another
+# socket's bind(0) (a job's rank 0 once failed with EADDRINUSE that way). Where the range starts
+# too low for that, any free port.
+RENDEZVOUS_LOW_PORT = 10000
+RENDEZVOUS_TRIES = 64
+
+
+def rendezvous_candidates() -> list[int]:
+    """Ports to try for the ranks' rendezvous, in order: random ones between RENDEZVOUS_LOW_PORT
+    and the ephemeral range, then 0 (any free port)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = RENDEZVOUS_LOW_PORT
+    below = range(RENDEZVOUS_LOW_PORT, ephemeral)
+    return [*random.sample(below, min(RENDEZVOUS_TRIES, len(below))), 0]
+
+
 def free_port(address: str, environment: dict[str, str]) -> int:
     """A port free on ``address`` now (the rendezvous of the ranks), else one of 127.0.0.1.
 
     On the namespaces node network ``address`` is inside the first node's network namespace,
     where this host can neither bind nor see what is bound: the probe runs in that namespace."""
+    candidates = rendezvous_candidates()
     if environment.get(NETNS_VARIABLE):
-        probe = f"import socket; s = socket.socket(); s.bind(({address!r}, 0)); print(s.getsockname()[1])"
+        probe = (
+            "import socket\n"
+            f"for port in {candidates!r}:\n"
+            "    s = socket.socket()\n"
+            "    try:\n"
+            f"        s.bind(({address!r}, port))\n"
+            "    except OSError:\n"
+            "        continue\n"
+            "    print(s.getsockname()[1])\n"
+            "    break\n"
+        )
         node = environment.get("HPSIM_NODE_ID", address)
         argv = on_node([sys.executable, "-c", probe], environment, node, command="job run")
         try:
@@ -325,10 +356,14 @@ def free_port(address: str, environment: dict[str, str]) -> int:
             raise OSError(f"no free port on the node's address {address}: {done.stderr.strip()}")
         return int(done.stdout)
     for host in (address, "127.0.0.1"):
-        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe_socket:
-            probe_socket.bind((host, 0))
-            port: int = probe_socket.getsockname()[1]
-            return port
+        for candidate in candidates:
+            with (
+                contextlib.suppress(OSError),
+                socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe_socket,
+            ):
+                probe_socket.bind((host, candidate))
+                port: int = probe_socket.getsockname()[1]
+                return port
     raise OSError("no free port for the ranks' rendezvous")
 
 
