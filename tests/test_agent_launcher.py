@@ -400,3 +400,42 @@ def test_an_agent_forked_by_the_launcher_has_mergeable_pages_unless_turned_off(
     finally:
         launcher.stop()
         kill_processes_under(tmp_path)
+
+
+def unmergeable_private_mappings(pid: int) -> list[str]:
+    """The private writable mappings of process ``pid`` that the kernel may not merge (no ``mg``
+    in their VmFlags): in a process with every page mergeable, those it was told to keep apart."""
+    found, header = [], ""
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and ":" not in fields[0]:
+            header = line
+        elif line.startswith("VmFlags:") and header.split()[1][1::2] == "wp" and "mg" not in fields[1:]:
+            found.append(header)
+    return found
+
+
+@SQLITE
+@pytest.mark.skipif(
+    merge_any(os.getpid()) is None, reason="this kernel does not report ksm_merge_any (/proc/<pid>/ksm_stat)"
+)
+def test_a_forked_agent_keeps_the_pages_a_push_writes_out_of_merging(
+    agent_plane: ControlPlane, client: Any
+) -> None:
+    # Once its first policy is in force, each agent finds the pages a push writes (a push to
+    # itself, agents/hotpages.py) and has the kernel keep them unmerged: the first rollout after
+    # ksmd merged the cluster does not copy them back. Everything else stays mergeable.
+    data_dir = Path(agent_plane.services.settings.data_dir).resolve()
+    sm = agent_plane.client()
+    sm.create_cluster(ClusterName="hot", InstanceGroups=[group("workers", 2, "ml.c5.large")])
+    client.wait_until_in_service("hot", timeout=120)
+    nodes = sorted(n["InstanceId"] for n in client.list_nodes("hot"))
+    pids = agent_pids(data_dir, nodes)
+    assert sorted(pids) == nodes
+    for node_id, pid in pids.items():
+        assert merge_any(pid) is True, node_id
+        wait_for(
+            lambda pid=pid: unmergeable_private_mappings(pid), timeout=30, what=f"{node_id}: pages kept apart"
+        )
+        assert find_agent_pids(node_id) == [pid]  # its twin is gone, and was never taken for it
+    sm.delete_cluster(ClusterName="hot")

@@ -21,6 +21,7 @@ from pathlib import Path
 from hyperpod_sim.agents.app import AgentApp
 from hyperpod_sim.agents.config import AgentSettings
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
+from hyperpod_sim.agents.hotpages import keep_push_pages_unmerged, mergeable
 from hyperpod_sim.agents.http.server import HttpServer
 from hyperpod_sim.agents.loop import AgentLoop, Identity, LoopOutcome
 from hyperpod_sim.agents.retry import Backoff
@@ -132,14 +133,18 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
     agent_loop = _agent_loop(settings=settings, state=state, client=client, endpoint=endpoint, tier=tier)
     loop_task = asyncio.create_task(agent_loop.run(), name="agent-loop")
     stop_task = asyncio.create_task(stop.wait(), name="agent-stop")
+    tasks = [loop_task, stop_task]
+    if mergeable():
+        unmerging = _unmerge_push_pages(state, sock.getsockname())
+        tasks.append(asyncio.create_task(unmerging, name="agent-hot-pages"))
     exit_code = 0
     try:
         await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         exit_code = await _wind_down(loop_task, settings=settings, state=state, tier=tier, shm_dir=shm_dir)
     finally:
-        for task in (loop_task, stop_task):
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(loop_task, stop_task, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await server.close()
         await tier.aclose()
         await client.aclose()
@@ -147,6 +152,18 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(signum)
     return exit_code
+
+
+async def _unmerge_push_pages(state: AgentState, address: tuple[str, int]) -> None:
+    """Once the first policy is in force: keep the pages a push writes out of same-page merging
+    (agents/hotpages.py). A failure costs only that: the agent runs on as before."""
+    applied = asyncio.Event()
+    state.listeners.append(lambda previous, current: applied.set())
+    await applied.wait()
+    try:
+        await keep_push_pages_unmerged(state, address)
+    except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError) as exc:
+        log.warning("could not find the pages a policy push writes (they stay mergeable): %s", exc)
 
 
 def _agent_loop(
