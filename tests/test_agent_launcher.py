@@ -423,8 +423,8 @@ def test_a_forked_agent_keeps_the_pages_a_push_writes_out_of_merging(
     agent_plane: ControlPlane, client: Any
 ) -> None:
     # Once its first policy is in force, each agent finds the pages a push writes (a push to
-    # itself, agents/hotpages.py) and has the kernel keep them unmerged: the first rollout after
-    # ksmd merged the cluster does not copy them back. Everything else stays mergeable.
+    # itself, agents/launcher/hotpages.py) and has the kernel keep them unmerged: the first
+    # rollout after ksmd merged the cluster does not copy them back.
     data_dir = Path(agent_plane.services.settings.data_dir).resolve()
     sm = agent_plane.client()
     sm.create_cluster(ClusterName="hot", InstanceGroups=[group("workers", 2, "ml.c5.large")])

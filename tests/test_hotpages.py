@@ -1,4 +1,4 @@
-"""Pages a policy push writes, kept out of same-page merging (hyperpod_sim/agents/hotpages.py).
+"""Pages a policy push writes, kept out of same-page merging (agents/launcher/hotpages.py).
 
 The pages a piece of work writes are found with a stopped twin and the pagemap's "exclusively
 mapped" bit and marked unmergeable; the pages it did not write stay mergeable. The twin shows no
@@ -21,9 +21,9 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from hyperpod_sim.agents import hotpages
 from hyperpod_sim.agents.app import AgentApp
 from hyperpod_sim.agents.http.server import HttpServer
+from hyperpod_sim.agents.launcher import hotpages
 from hyperpod_sim.agents.main import bind
 from hyperpod_sim.agents.state import AgentState
 from hyperpod_sim.contracts.agent_api import CONTROL_PLANE_AGENT, POLICY_PATH
@@ -70,7 +70,7 @@ def vma_flags(smaps: str, address: int) -> set[str]:
 WRITER = textwrap.dedent(
     """
     import asyncio, ctypes, json, mmap, sys
-    from hyperpod_sim.agents import hotpages
+    from hyperpod_sim.agents.launcher import hotpages
 
     libc = ctypes.CDLL(None, use_errno=True)
     assert not hotpages.mergeable()  # a process nobody marked
@@ -118,7 +118,7 @@ def test_the_pages_a_piece_of_work_writes_are_kept_out_of_merging_and_no_other()
 TWIN_HOLDER = textwrap.dedent(
     """
     import sys, time
-    from hyperpod_sim.agents import hotpages
+    from hyperpod_sim.agents.launcher import hotpages
 
     with hotpages.stopped_twin() as twin:
         print(twin, flush=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from urllib.parse import parse_qs
 
 from hyperpod_sim.agents.access import refusal, route_credential
-from hyperpod_sim.agents.hotpages import SELF_PUSH_AGENT
 from hyperpod_sim.agents.http.server import DropConnection, Request, Response, error_response, json_response
+from hyperpod_sim.agents.launcher.hotpages import SELF_PUSH_AGENT
 from hyperpod_sim.agents.metrics import CONTENT_TYPE, agent_metrics, render, s3_metrics, tier_metrics
 from hyperpod_sim.agents.state import AgentState, ApplyStatus, AuthStatus, Credential
 from hyperpod_sim.agents.tier import MemoryTier
@@ -133,7 +133,7 @@ class AgentApp:
         reset_values = query.get("reset", ["false"])
         if len(reset_values) != 1 or reset_values[0] not in ("true", "false"):
             return error_response(400, "InvalidRequest", "reset must be true or false")
-        if request.headers.get("user-agent") != SELF_PUSH_AGENT:  # its own (agents/hotpages.py)
+        if request.headers.get("user-agent") != SELF_PUSH_AGENT:  # its own (launcher/hotpages.py)
             state.counters.policy_pushes_total += 1
         body = await request.read_body()
         try:

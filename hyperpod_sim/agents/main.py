@@ -21,8 +21,8 @@ from pathlib import Path
 from hyperpod_sim.agents.app import AgentApp
 from hyperpod_sim.agents.config import AgentSettings
 from hyperpod_sim.agents.control_plane import ControlPlaneClient
-from hyperpod_sim.agents.hotpages import keep_push_pages_unmerged, mergeable
 from hyperpod_sim.agents.http.server import HttpServer
+from hyperpod_sim.agents.launcher.hotpages import keep_push_pages_unmerged, mergeable
 from hyperpod_sim.agents.loop import AgentLoop, Identity, LoopOutcome
 from hyperpod_sim.agents.retry import Backoff
 from hyperpod_sim.agents.state import AgentState
@@ -156,7 +156,7 @@ async def serve(*, settings: AgentSettings, sock: socket.socket) -> int:
 
 async def _unmerge_push_pages(state: AgentState, address: tuple[str, int]) -> None:
     """Once the first policy is in force: keep the pages a push writes out of same-page merging
-    (agents/hotpages.py). A failure costs only that: the agent runs on as before."""
+    (agents/launcher/hotpages.py). A failure costs only that: the agent runs on as before."""
     applied = asyncio.Event()
     state.listeners.append(lambda previous, current: applied.set())
     await applied.wait()

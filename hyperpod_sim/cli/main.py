@@ -249,6 +249,7 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _agent_launcher(args: argparse.Namespace) -> int:
+    import hyperpod_sim.agents.main  # noqa: F401 (what each forked agent runs, imported once here)
     from hyperpod_sim.agents.launcher.server import run_launcher
     from hyperpod_sim.settings import default_agent_command
 

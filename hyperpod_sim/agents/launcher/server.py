@@ -280,15 +280,15 @@ def _say(message: str) -> None:
 
 
 def prepare() -> None:
-    """Import what an agent runs and build once what every agent would build alike, before the
-    first fork: the TLS context, and what pydantic-settings, asyncio and the HTTP client make at
-    their first use (measured: about 5 MiB of each agent's private memory otherwise)."""
+    """Build once what every agent would build alike, before the first fork: the TLS context, and
+    what pydantic-settings, asyncio and the HTTP client make at their first use (measured: about
+    5 MiB of each agent's private memory otherwise). The agent's modules are imported already: the
+    caller's ``entry`` comes with them."""
     import asyncio
     import importlib
 
     from pydantic import SecretStr, ValidationError
 
-    import hyperpod_sim.agents.main  # noqa: F401
     from hyperpod_sim.agents.config import AgentSettings
     from hyperpod_sim.agents.http import tls
     from hyperpod_sim.agents.http.client import HttpClient
