@@ -101,7 +101,10 @@ def agent_metrics(state: AgentState) -> list[Metric]:
         Metric(
             name="hpsim_agent_policy_pushes_total",
             kind="counter",
-            help="Authorised policy pushes received (a repeated generation counts too; the agent's own, made once to find the pages a push writes, does not).",
+            help=(
+                "Authorised policy pushes received (a repeated generation counts too; the "
+                "agent's own, made once to find the pages a push writes, does not)."
+            ),
             value=counters.policy_pushes_total,
         ),
     ]
