@@ -6,6 +6,7 @@ the server named by ``HPSIM_TEST_POSTGRES_URL`` (PostgreSQL tests are skipped wi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -31,6 +32,7 @@ from sqlalchemy.engine import make_url
 
 from hyperpod_sim.api.app import create_app
 from hyperpod_sim.api.deps import Services
+from hyperpod_sim.cli.jobs import rendezvous_candidates
 from hyperpod_sim.models.groups import InstanceGroupSpec
 from hyperpod_sim.serve.seaweedfs import free_embedded_port
 from hyperpod_sim.settings import Settings
@@ -60,10 +62,16 @@ def _clean_shm(tmp_path: Path) -> Iterator[None]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port free on 127.0.0.1 now, below the kernel's ephemeral range where one is (as the ranks'
+    rendezvous of `job run`, hyperpod_sim/cli/jobs.py): between this probe and the caller's bind,
+    the kernel gives no port there to another bind(0) or to a connection's source port. (A port
+    from bind(0) did go to one: a job's rank 0 failed with EADDRINUSE on its MASTER_PORT.)"""
+    for candidate in rendezvous_candidates():
+        with contextlib.suppress(OSError), socket.socket() as sock:
+            sock.bind(("127.0.0.1", candidate))
+            port: int = sock.getsockname()[1]
+            return port
+    raise OSError("no free port on 127.0.0.1")
 
 
 _S3_PORTS: dict[Path, int] = {}

@@ -125,9 +125,9 @@ def test_listing_of_an_unknown_cluster(agent_plane: ControlPlane, client: HyperP
 
 
 def test_listing_is_in_the_openapi_document(agent_plane: ControlPlane) -> None:
-    operation = httpx.get(f"{agent_plane.url}/openapi.json").json()["paths"]["/clusters/{name}/checkpoints"][
-        "get"
-    ]
+    operation = httpx.get(f"{agent_plane.url}/openapi.json", timeout=60).json()["paths"][
+        "/clusters/{name}/checkpoints"
+    ]["get"]
     assert "checkpointing" in operation["tags"]
     assert "hyperpod-sim extension" in operation["summary"]
     example = operation["responses"]["200"]["content"]["application/json"]["example"]

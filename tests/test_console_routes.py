@@ -107,7 +107,7 @@ def test_cluster_overview_has_the_ring_the_budgets_and_the_events(control_plane:
 
 
 def test_the_overview_routes_are_in_the_openapi_document(control_plane: ControlPlane) -> None:
-    document = httpx.get(f"{control_plane.url}/openapi.json").json()
+    document = httpx.get(f"{control_plane.url}/openapi.json", timeout=60).json()
     for path, model in [("/overview", "ClustersOverview"), ("/clusters/{name}/overview", "ClusterOverview")]:
         answers = document["paths"][path]["get"]["responses"]
         assert answers["200"]["content"]["application/json"]["schema"] == {

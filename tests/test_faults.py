@@ -421,7 +421,7 @@ def test_node_faults_need_local_agents(control_plane: ControlPlane) -> None:
 
 
 def test_faults_are_in_the_openapi_document(agent_plane: ControlPlane) -> None:
-    paths = httpx.get(f"{agent_plane.url}/openapi.json").json()["paths"]
+    paths = httpx.get(f"{agent_plane.url}/openapi.json", timeout=60).json()["paths"]
     post = paths["/clusters/{name}/faults"]["post"]
     assert "hyperpod-sim extension" in post["summary"]
     content = post["requestBody"]["content"]["application/json"]

@@ -360,7 +360,7 @@ def test_heartbeat_s3_status_shows_in_agent_status(control_plane: ControlPlane, 
 
 
 def test_openapi_documents_the_agent_status(control_plane: ControlPlane) -> None:
-    document = httpx.get(f"{control_plane.url}/openapi.json").json()
+    document = httpx.get(f"{control_plane.url}/openapi.json", timeout=60).json()
     schemas = document["components"]["schemas"]
     for shape in ("ClusterNodeDetails", "ClusterNodeSummary"):
         assert schemas[shape]["properties"]["AgentStatus"] == {"$ref": "#/components/schemas/AgentStatus"}
